@@ -1,0 +1,33 @@
+# `make demo` and `make test` are all a fresh machine needs.
+PY      ?= python3.11
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# torch first: pinned to the local CPU wheel, so nothing later pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest
+
+demo: $(STAMP)
+	$(VENV)/bin/kvengine plan --preset llama-3-8b --device h100-80gb
+	$(VPY) benchmarks/paged_vs_contiguous.py
+
+bench: $(STAMP)
+	$(VPY) benchmarks/paged_vs_contiguous.py
+	$(VPY) benchmarks/vllm_parity.py --scenario hot256
+	$(VPY) benchmarks/vllm_parity.py --scenario tight
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,208 @@
+"""The engine's knobs (vLLM's flag names and defaults), model and device specs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+KV_ALLOCATORS = ("paged", "contiguous")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class ConfigError(ValueError):
+    """A knob has a value the engine cannot run with; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family decoder: all the memory and cost models need."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str = "bfloat16"
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + embed + lm_head + h
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator: what bounds a step's time and the KV pool's size."""
+
+    name: str
+    memory_bytes: int
+    hbm_bandwidth: float  # bytes/s
+    bf16_flops: float  # dense FLOP/s, no sparsity
+    # Memory the framework holds outside torch's allocator (CUDA context,
+    # cuBLAS workspaces, NCCL): vLLM's `non_torch_increase` plus its
+    # CUDA-graph estimate, typical values from vLLM start-up logs.
+    non_torch_overhead_bytes: int = int(1.5 * GiB)
+    large_memory: bool = False  # vLLM's >= 70 GiB, non-A100 batch defaults
+
+
+# Model shapes from each model's Hugging Face config.json.
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 4096),
+        ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8192,
+                  rope_theta=500000.0),
+        ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 8192,
+                  rope_theta=500000.0),
+        ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, 32768,
+                  rope_theta=1000000.0),
+        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 32768,
+                  rope_theta=1000000.0, qkv_bias=True, rms_norm_eps=1e-6),
+        # The CPU torch model: small enough that 32 concurrent requests decode quickly.
+        ModelSpec("tiny", 4, 256, 8, 2, 32, 512, 32000, 4096, dtype="float32"),
+    )
+}
+
+# Memory, HBM bandwidth and dense BF16 tensor FLOP/s from the vendors' datasheets:
+#   H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet (80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense)
+#   H200 SXM 141GB: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense)
+#   A100 SXM 80GB / 40GB: NVIDIA A100 datasheet (2,039 GB/s / 1,555 GB/s, 312 TFLOPS BF16 dense)
+#   A10 24GB: NVIDIA A10 datasheet (600 GB/s GDDR6, 125 TFLOPS BF16 dense)
+#   L4 24GB: NVIDIA L4 datasheet (300 GB/s GDDR6, 121 TFLOPS BF16 dense)
+# `cpu` is a rough 2-core x86 server (DDR bandwidth share, AVX2 FP32), an estimate,
+# meant only to be replaced by a calibrated profile.
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, large_memory=True),
+        DeviceSpec("h200-141gb", 141 * GiB, 4.8e12, 989e12, large_memory=True),
+        DeviceSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12),
+        DeviceSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12),
+        DeviceSpec("a10-24gb", 24 * GiB, 600e9, 125e12),
+        DeviceSpec("l4-24gb", 24 * GiB, 300e9, 121e12),
+        DeviceSpec("cpu", 16 * GiB, 20e9, 100e9, non_torch_overhead_bytes=256 << 20),
+    )
+}
+
+
+def _lookup(table: dict, name: str, flag: str):
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(
+            f"{flag}: unknown preset {name!r}; choose one of {', '.join(table)}"
+        ) from None
+
+
+def model_preset(name: str) -> ModelSpec:
+    return _lookup(MODEL_PRESETS, name, "--preset")
+
+
+def device_preset(name: str) -> DeviceSpec:
+    return _lookup(DEVICE_PRESETS, name, "--device")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM's KV-cache and scheduler knobs, same names and defaults as `vllm serve`.
+
+    `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` left as None take
+    vLLM's defaults for the device and model (see `resolve`).
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.92
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    long_prefill_token_threshold: int = 0
+    num_gpu_blocks_override: int | None = None
+    # Not a vLLM flag: the baseline allocator that PagedAttention replaced.
+    kv_allocator: str = "paged"
+    seed: int = 0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def resolve(self, model: ModelSpec, device: DeviceSpec) -> "EngineConfig":
+        """Fill in vLLM's defaults for this device and model, then validate."""
+        large = device.large_memory
+        cfg = dataclasses.replace(
+            self,
+            max_model_len=self.max_model_len or model.max_position_embeddings,
+            max_num_seqs=self.max_num_seqs or (1024 if large else 256),
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if large else 2048),
+        )
+        if not cfg.enable_chunked_prefill and self.max_num_batched_tokens is None:
+            cfg = dataclasses.replace(
+                cfg, max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len))
+        cfg.validate(model)
+        return cfg
+
+    def validate(self, model: ModelSpec | None = None) -> None:
+        bs = self.block_size
+        if not isinstance(bs, int) or bs not in BLOCK_SIZES:
+            raise ConfigError(
+                f"--block-size must be a power of two from 8 to 256 "
+                f"({', '.join(map(str, BLOCK_SIZES))}), got {bs!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, (int, float)) or not 0 < util <= 1:
+            raise ConfigError(
+                f"--gpu-memory-utilization must be in (0, 1], got {util!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}")
+        if self.kv_allocator not in KV_ALLOCATORS:
+            raise ConfigError(
+                f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}, got {self.kv_allocator!r}")
+        for flag, value in (("--max-num-seqs", self.max_num_seqs),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--max-model-len", self.max_model_len)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("--long-prefill-token-threshold must be >= 0")
+        if (self.max_num_seqs and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be greater "
+                f"than or equal to --max-num-seqs ({self.max_num_seqs})")
+        if (not self.enable_chunked_prefill and self.max_num_batched_tokens
+                and self.max_model_len and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"--max-model-len ({self.max_model_len}) with chunked prefill disabled: "
+                "a long prompt could never be scheduled; raise it or enable chunked prefill")
+        if model is not None and self.max_model_len and self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len ({self.max_model_len}) is larger than {model.name}'s "
+                f"max_position_embeddings ({model.max_position_embeddings})")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("--num-gpu-blocks-override must be at least 2 (one is the null block)")

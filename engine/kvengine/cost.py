@@ -1,0 +1,81 @@
+"""Roofline step time of a ModelSpec on a DeviceSpec.
+
+A step reads the weights once and the K/V of every scheduled request's context
+at the KV dtype's bytes per element, writes the new tokens' K/V, and does
+2 * params FLOPs per token plus the attention FLOPs. Its time is
+max(memory time, compute time) + a fixed per-step overhead + a per-sequence
+overhead. Small blocks read K/V less efficiently (more block-table lookups
+and partial tiles per byte), which is how block_size enters.
+
+All coefficients live in CostCoefficients so a profile fitted to a live
+server (`kvtune calibrate`) can replace them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .config import DeviceSpec, ModelSpec
+from .memory import kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    memory_efficiency: float = 0.80  # achieved share of HBM bandwidth
+    compute_efficiency: float = 0.55  # achieved share of dense FLOP/s (MFU of the GEMMs)
+    attention_efficiency: float = 0.35  # attention kernels reach less of peak than GEMMs
+    step_overhead_s: float = 1.5e-3  # scheduling, input prep, launch, sampling per step
+    per_seq_overhead_s: float = 1.0e-5  # per scheduled request per step
+    block_overhead_tokens: float = 2.0  # K/V read efficiency = bs / (bs + this)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The per-configuration constants of the roofline, computed once."""
+
+    weight_bytes: float
+    kv_read_bytes_per_token: float  # divided by the block-size efficiency
+    kv_write_bytes_per_token: float
+    flops_per_token: float
+    attention_flops_per_pair: float  # per (query token, context token) pair
+    bytes_per_s: float
+    flops_per_s: float
+    attention_flops_per_s: float
+    step_overhead_s: float
+    per_seq_overhead_s: float
+
+    @classmethod
+    def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
+              coeffs: CostCoefficients | None = None) -> "StepCost":
+        c = coeffs or CostCoefficients()
+        kv_token = kv_bytes_per_token(model, kv_cache_dtype)
+        block_eff = block_size / (block_size + c.block_overhead_tokens)
+        # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
+        attn_pair = 4.0 * model.num_heads * model.head_dim * model.num_layers
+        return cls(
+            weight_bytes=float(model.weight_bytes),
+            kv_read_bytes_per_token=kv_token / block_eff,
+            kv_write_bytes_per_token=float(kv_token),
+            flops_per_token=2.0 * model.num_params,
+            attention_flops_per_pair=attn_pair,
+            bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
+            flops_per_s=device.bf16_flops * c.compute_efficiency,
+            attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
+            step_overhead_s=c.step_overhead_s,
+            per_seq_overhead_s=c.per_seq_overhead_s,
+        )
+
+    def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
+                  attention_token_pairs: int) -> float:
+        """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
+        requests whose contexts (after the step) sum to `context_tokens`;
+        `attention_token_pairs` is the sum over requests of new_tokens * context."""
+        if num_tokens == 0:
+            return 0.0
+        mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
+               + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
+        compute = (num_tokens * self.flops_per_token / self.flops_per_s
+                   + attention_token_pairs * self.attention_flops_per_pair / self.attention_flops_per_s)
+        return max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s

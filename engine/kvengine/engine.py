@@ -1,0 +1,182 @@
+"""LLMEngine: requests in, one scheduled and executed step at a time, tokens out."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from .blocks import KVCacheManager
+from .clock import VirtualClock, WallClock
+from .config import DeviceSpec, EngineConfig, ModelSpec
+from .contiguous import ContiguousKVCacheManager
+from .cost import CostCoefficients, StepCost
+from .executor import Executor, SimExecutor
+from .memory import MemoryPlan, plan_memory
+from .request import PromptTooLongError, Request, SamplingParams
+from .scheduler import Scheduler
+
+
+@dataclass
+class StepLog:
+    """Per-step series, one list per column (cheap to append, easy to export)."""
+
+    time: list[float] = field(default_factory=list)  # step end
+    duration: list[float] = field(default_factory=list)
+    num_running: list[int] = field(default_factory=list)
+    num_waiting: list[int] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+    num_preemptions: list[int] = field(default_factory=list)
+    prefix_queries: list[int] = field(default_factory=list)  # tokens, new requests only
+    prefix_hits: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    num_seqs: list[int] = field(default_factory=list)
+    context_tokens: list[int] = field(default_factory=list)  # K/V tokens the step read
+
+    def __len__(self) -> int:
+        return len(self.time)
+
+    def as_dict(self) -> dict[str, list]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(slots=True)
+class StepResult:
+    new_tokens: list[tuple[Request, int]]
+    finished: list[Request]
+    preempted: list[Request]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: ModelSpec, device: DeviceSpec,
+                 executor: Executor | None = None, clock: VirtualClock | WallClock | None = None,
+                 cost_coefficients: CostCoefficients | None = None, eos_token_id: int | None = None):
+        self.config = config.resolve(model, device)
+        self.model = model
+        self.device = device
+        self.memory: MemoryPlan = plan_memory(model, device, self.config)
+        self.kv = self._make_kv_manager(self.memory.num_gpu_blocks)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.cost = StepCost.build(model, device, self.config.kv_cache_dtype,
+                                   self.config.block_size, cost_coefficients)
+        self.executor = executor or SimExecutor(self.cost)
+        self.clock = clock or VirtualClock()
+        self.eos_token_id = eos_token_id
+        self.steps = StepLog()
+        self.finished: list[Request] = []
+        self.num_preemptions = 0
+        self._prefix_seen = (0, 0)
+
+    def _make_kv_manager(self, num_blocks: int):
+        cfg = self.config
+        cls = ContiguousKVCacheManager if cfg.kv_allocator == "contiguous" else KVCacheManager
+        return cls(num_blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
+        """Queue a request; raises PromptTooLongError (vLLM's 400) if it cannot fit."""
+        sp = sampling_params or SamplingParams()
+        max_len = self.config.max_model_len
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("The decoder prompt cannot be empty")
+        if n > max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {n}) is longer than the maximum model length "
+                f"of {max_len}. Make sure that `max_model_len` is no smaller than the number "
+                "of text tokens.")
+        if n == max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {n}) plus the number of requested output tokens "
+                f"(at least 1) is longer than the maximum model length of {max_len}. Make sure "
+                "that `max_model_len` is no smaller than the number of text tokens (prompt + "
+                "requested output tokens).")
+        if sp.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {sp.max_tokens}")
+        if sp.max_tokens > max_len - n:
+            sp = dataclasses.replace(sp, max_tokens=max_len - n)
+        arrival = self.clock.now if arrival_time is None else arrival_time
+        req = Request(request_id, list(prompt_token_ids), sp, arrival, self.eos_token_id, cache_salt)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        done = self.scheduler.finish_requests([request_id])
+        for req in done:
+            req.finish_time = self.clock.now
+        self.finished.extend(done)
+        return bool(done)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------
+    def step(self) -> StepResult:
+        sched = self.scheduler
+        self.clock.step_started()
+        start = self.clock.now
+        out = sched.schedule()
+        self.num_preemptions += len(out.preempted)
+        if not out.scheduled:
+            return StepResult([], [], out.preempted)
+        for req in out.scheduled[len(out.scheduled) - out.num_new_reqs:]:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = start
+        result = self.executor.execute(out)
+        self.clock.advance(result.step_time_s)
+        now = self.clock.now
+        finished = sched.update_from_output(out, result.sampled)
+        new_tokens = []
+        for req, token in zip(out.scheduled, result.sampled):
+            if token is not None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.token_times.append(now)
+                new_tokens.append((req, token))
+        for req in finished:
+            req.finish_time = now
+        self.finished.extend(finished)
+        self._log_step(out, now, now - start)
+        return StepResult(new_tokens, finished, out.preempted)
+
+    def _log_step(self, out, now: float, duration: float) -> None:
+        s, sched, stats = self.steps, self.scheduler, self.kv.prefix_stats
+        queries, hits = self._prefix_seen
+        self._prefix_seen = (stats.queries, stats.hits)
+        s.time.append(now)
+        s.duration.append(duration)
+        s.num_running.append(len(sched.running))
+        s.num_waiting.append(len(sched.waiting))
+        s.kv_usage.append(self.kv.usage())
+        s.num_preemptions.append(len(out.preempted))
+        s.prefix_queries.append(stats.queries - queries)
+        s.prefix_hits.append(stats.hits - hits)
+        s.num_tokens.append(out.total_tokens)
+        s.num_seqs.append(len(out.scheduled))
+        s.context_tokens.append(out.context_tokens)
+
+    # -- virtual-time replay -------------------------------------------------
+    def replay(self, arrivals: Iterable[tuple[float, str, list[int], SamplingParams]],
+               on_reject=None) -> None:
+        """Run a whole workload in virtual time: (arrival_s, id, prompt, params), sorted
+        by arrival. Idle gaps are skipped; rejected prompts go to `on_reject(id, error)`."""
+        pending = iter(arrivals)
+        nxt = next(pending, None)
+        clock = self.clock
+        while nxt is not None or self.has_unfinished():
+            while nxt is not None and nxt[0] <= clock.now:
+                try:
+                    self.add_request(nxt[1], nxt[2], nxt[3], arrival_time=nxt[0])
+                except ValueError as err:
+                    if on_reject is None:
+                        raise
+                    on_reject(nxt[1], err)
+                nxt = next(pending, None)
+            if self.has_unfinished():
+                logged = len(self.steps)
+                self.step()
+                if len(self.steps) == logged and nxt is None:
+                    raise RuntimeError("engine stalled: requests remain but none can be scheduled")
+            elif nxt is not None:
+                clock.advance_to(nxt[0])

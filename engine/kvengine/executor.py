@@ -1,0 +1,46 @@
+"""Executors run a scheduled batch and return one sampled token per finished prefill.
+
+`SimExecutor` runs no model: the step takes the roofline cost model's time and
+samples deterministic pseudo tokens. The torch executor (real forward passes)
+implements the same `execute`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .cost import StepCost
+from .scheduler import SchedulerOutput
+
+# Pseudo tokens stay inside the id range every common tokenizer accepts and
+# never hit special tokens (so the simulator never emits EOS).
+SIM_TOKEN_LOW, SIM_TOKEN_HIGH = 1000, 30000
+
+
+@dataclass(slots=True)
+class ExecutorOutput:
+    sampled: list[int | None]  # aligned with SchedulerOutput.scheduled
+    step_time_s: float
+
+
+class Executor(Protocol):
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput: ...
+
+
+class SimExecutor:
+    def __init__(self, cost: StepCost):
+        self.cost = cost
+
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        span = SIM_TOKEN_HIGH - SIM_TOKEN_LOW
+        sampled: list[int | None] = []
+        for req in out.scheduled:
+            n = len(req.all_token_ids)
+            if req.num_computed_tokens < n:
+                sampled.append(None)  # mid-prefill chunk: no logits sampled
+            else:
+                seed = req.all_token_ids[0] if n else 0
+                sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
+        step = self.cost.step_time(out.total_tokens, len(out.scheduled), out.context_tokens,
+                                   out.attention_token_pairs)
+        return ExecutorOutput(sampled, step)
