@@ -153,11 +153,15 @@ class EngineConfig:
     def resolve(self, model: ModelSpec, device: DeviceSpec) -> "EngineConfig":
         """Fill in vLLM's defaults for this device and model, then validate."""
         large = device.large_memory
+
+        def default(value, fallback):
+            return fallback if value is None else value
+
         cfg = dataclasses.replace(
             self,
-            max_model_len=self.max_model_len or model.max_position_embeddings,
-            max_num_seqs=self.max_num_seqs or (1024 if large else 256),
-            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if large else 2048),
+            max_model_len=default(self.max_model_len, model.max_position_embeddings),
+            max_num_seqs=default(self.max_num_seqs, 1024 if large else 256),
+            max_num_batched_tokens=default(self.max_num_batched_tokens, 8192 if large else 2048),
         )
         if not cfg.enable_chunked_prefill and self.max_num_batched_tokens is None:
             cfg = dataclasses.replace(
@@ -185,7 +189,7 @@ class EngineConfig:
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--max-model-len", self.max_model_len)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("--long-prefill-token-threshold must be >= 0")

@@ -89,7 +89,8 @@ def max_concurrency(num_gpu_blocks: int, block_size: int, context_len: int) -> f
 
 def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig) -> MemoryPlan:
     """Size the KV pool; raise KVCacheMemoryError as vLLM fails at start-up."""
-    cfg = config if config.max_model_len else config.resolve(model, device)
+    unresolved = None in (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+    cfg = config.resolve(model, device) if unresolved else config
     block_bytes = kv_bytes_per_block(model, cfg.kv_cache_dtype, cfg.block_size)
     requested = math.ceil(device.memory_bytes * cfg.gpu_memory_utilization)
     weights = model.weight_bytes
@@ -99,6 +100,11 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig) -> M
     if cfg.num_gpu_blocks_override is not None:
         num_blocks = cfg.num_gpu_blocks_override
         available = num_blocks * block_bytes
+    elif weights >= requested:
+        raise KVCacheMemoryError(
+            f"The model weights ({weights / GiB:.2f} GiB) do not fit in {device.name} x "
+            f"gpu_memory_utilization {cfg.gpu_memory_utilization} = {requested / GiB:.2f} GiB. "
+            "Use a device with more memory or shard the model (tensor parallelism).")
     elif available <= 0:
         raise KVCacheMemoryError(
             f"No available memory for the cache blocks: {device.name} x "

@@ -1,0 +1,101 @@
+"""LLMEngine with the sim executor in virtual time: numbers checkable by hand."""
+import pytest
+
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.cost import CostCoefficients, StepCost
+from kvengine.engine import LLMEngine
+from kvengine.request import PromptTooLongError, SamplingParams
+from kvengine.stats import request_timings
+
+MODEL, DEVICE = model_preset("llama-3-8b"), device_preset("h100-80gb")
+
+
+def engine(**kw):
+    return LLMEngine(EngineConfig(**kw), MODEL, DEVICE)
+
+
+def run_all(e):
+    while e.has_unfinished():
+        e.step()
+
+
+def test_one_request_alone_ttft_is_one_prefill_step():
+    e = engine()
+    req = e.add_request("a", list(range(1000, 2000)), SamplingParams(max_tokens=4, ignore_eos=True))
+    run_all(e)
+    t = request_timings(req)
+    prefill = e.cost.step_time(1000, 1, 1000, 1000 * 1000)
+    assert t.ttft == pytest.approx(prefill)
+    decodes = [e.cost.step_time(1, 1, ctx, ctx) for ctx in (1001, 1002, 1003)]
+    assert t.itl == pytest.approx(tuple(decodes))
+    assert t.tpot == pytest.approx(sum(decodes) / 3)
+    assert t.e2e == pytest.approx(prefill + sum(decodes))
+    assert t.queue == 0 and t.output_tokens == 4 and t.finish_reason == "length"
+    assert len(e.steps) == 4 and e.steps.num_tokens == [1000, 1, 1, 1]
+
+
+def test_two_identical_prompts_second_is_served_from_cache():
+    e = engine()
+    prompt = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16
+    first = e.add_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    run_all(e)
+    second = e.add_request("b", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    run_all(e)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 96
+    assert e.steps.num_tokens[2] == 4  # only the uncached tail is prefilled
+    assert sum(e.steps.prefix_queries) == 200 and sum(e.steps.prefix_hits) == 96
+
+
+def test_replay_waits_for_arrivals_and_skips_idle_time():
+    e = engine()
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    e.replay([(0.0, "a", [5] * 50, sp), (10.0, "b", [6] * 50, sp)])
+    a, b = e.finished
+    assert b.first_scheduled_time == pytest.approx(10.0)
+    assert request_timings(b).queue == 0.0
+    assert e.clock.now == pytest.approx(b.finish_time) and b.finish_time < 10.1
+
+
+def test_prompt_over_max_model_len_is_rejected_and_max_tokens_clamped():
+    e = engine(max_model_len=128)
+    with pytest.raises(PromptTooLongError, match=r"length 200\) is longer than the maximum model length of 128"):
+        e.add_request("x", [1] * 200)
+    with pytest.raises(PromptTooLongError, match="plus the number of requested output tokens"):
+        e.add_request("y", [1] * 128)
+    req = e.add_request("z", [1] * 100, SamplingParams(max_tokens=1000))
+    assert req.max_tokens == 28
+    rejected = []
+    e.replay([(0.0, "long", [1] * 500, SamplingParams())], on_reject=lambda rid, err: rejected.append(rid))
+    assert rejected == ["long"]
+
+
+def test_abort_returns_blocks():
+    e = engine()
+    e.add_request("a", list(range(300)), SamplingParams(max_tokens=50))
+    e.step()
+    assert e.kv.usage() > 0
+    assert e.abort("a") and not e.abort("a")
+    assert e.kv.usage() == 0 and e.finished[0].finish_reason == "abort"
+
+
+def test_step_log_records_preemptions_and_usage():
+    e = engine(num_gpu_blocks_override=600, max_model_len=2048)
+    sp = SamplingParams(max_tokens=400, ignore_eos=True)
+    e.replay([(0.0, f"r{i}", [i + 1000] * 1200, sp) for i in range(8)])
+    assert sum(e.steps.num_preemptions) == e.num_preemptions > 0
+    assert max(e.steps.kv_usage) > 0.9
+    assert len(e.finished) == 8 and e.kv.usage() == 0
+    assert all(n <= e.config.max_num_batched_tokens for n in e.steps.num_tokens)
+
+
+def test_fp8_and_block_size_move_the_step_time_the_right_way():
+    def decode_step(dtype="auto", bs=16):
+        return StepCost.build(MODEL, DEVICE, dtype, bs).step_time(256, 256, 256 * 4000, 256 * 4000)
+    assert decode_step("fp8") < decode_step("auto")
+    assert decode_step(bs=8) > decode_step(bs=16) > decode_step(bs=64)
+    small = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(1, 1, 100, 100)
+    weights_time = MODEL.weight_bytes / (DEVICE.hbm_bandwidth * CostCoefficients().memory_efficiency)
+    assert small == pytest.approx(weights_time + 1.5e-3 + 1e-5, rel=0.01)  # batch 1 decode: weight-bound
+    prefill = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(8192, 1, 8192, 8192 * 8192)
+    assert prefill > 10 * small  # a long prefill is compute-bound

@@ -1,0 +1,115 @@
+"""Bugs that small vLLM clones shipped, pinned down."""
+import pytest
+
+from kvengine.blocks import BlockPool, KVCacheManager, hash_block_tokens
+from kvengine.config import EngineConfig
+from kvengine.request import Request, SamplingParams
+from kvengine.scheduler import Scheduler
+
+
+def admit(kv, rid, prompt):
+    req = Request(rid, list(prompt))
+    hits, num_hit = kv.get_computed_blocks(req)
+    assert kv.allocate_slots(req, req.num_tokens - num_hit, num_hit, hits) is not None
+    req.num_computed_tokens = req.num_tokens
+    return req, num_hit
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    kv = KVCacheManager(16, 4, 64)
+    prompt = list(range(100, 108))  # exactly two full blocks
+    admit(kv, "a", prompt)
+    _, hit = admit(kv, "b", prompt)
+    assert hit == 4  # not 8: the last block is recomputed to get the last token's logits
+    _, hit = admit(kv, "c", prompt + [5])
+    assert hit == 8  # one more token: both blocks hit, only that token is computed
+
+
+def test_block_reused_after_eviction_loses_its_old_hash():
+    kv = KVCacheManager(4, 4, 64)  # 3 usable blocks
+    old, _ = admit(kv, "old", [1, 2, 3, 4, 5])
+    old_hash = old.block_hashes[0]
+    kv.free(old)
+    assert kv.pool.get_cached_block(old_hash) is not None  # freed but still cached
+    admit(kv, "new", list(range(50, 61)))  # needs all 3 blocks: evicts the cached one
+    assert kv.pool.get_cached_block(old_hash) is None
+    assert all(b.block_hash != old_hash for b in kv.pool.blocks)
+    probe = Request("probe", [1, 2, 3, 4, 5])
+    assert kv.get_computed_blocks(probe) == ([], 0)
+    assert kv.num_evictions == 1
+
+
+def test_hit_blocks_are_really_used():
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
+    kv = KVCacheManager(64, 16, 128)
+    sched = Scheduler(cfg, kv)
+    shared = list(range(1000, 1048))  # three full blocks
+    first = Request("first", shared + [1, 2, 3], SamplingParams(max_tokens=4))
+    sched.add_request(first)
+    sched.update_from_output(sched.schedule(), [7])
+    second = Request("second", shared + [9, 9], SamplingParams(max_tokens=4))
+    sched.add_request(second)
+    out = sched.schedule()
+    assert out.scheduled == [first, second]
+    assert out.num_new_tokens == [1, 2]  # only the two unshared tokens are computed
+    assert second.num_computed_tokens == 50 and second.num_cached_tokens == 48
+    assert kv.get_block_ids("second")[:3] == kv.get_block_ids("first")[:3]
+    assert kv.prefix_stats.hits == 48 and kv.prefix_stats.queries == 51 + 50
+
+
+def test_freed_blocks_go_to_the_tail_tail_block_first():
+    kv = KVCacheManager(8, 4, 64)
+    req, _ = admit(kv, "a", list(range(12)))
+    ids = kv.get_block_ids("a")
+    kv.free(req)
+    queue = [b.block_id for b in kv.pool.free_queue]
+    assert queue[-3:] == ids[::-1]  # evicted last-block-first
+
+
+def test_double_free_is_refused():
+    pool = BlockPool(4)
+    (blk,) = pool.get_new_blocks(1)
+    pool.free_blocks([blk])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks([blk])
+
+
+def test_cache_salt_separates_identical_prompts():
+    kv = KVCacheManager(16, 4, 64)
+    admit(kv, "a", list(range(9)))
+    salted = Request("b", list(range(9)), cache_salt="tenant-2")
+    assert kv.get_computed_blocks(salted)[1] == 0
+    assert kv.get_computed_blocks(Request("c", list(range(9))))[1] == 8
+
+
+def test_block_hash_is_deterministic_and_chained():
+    a = hash_block_tokens(None, [1, 2, 3])
+    assert a == hash_block_tokens(None, [1, 2, 3])
+    assert hash_block_tokens(a, [4]) != hash_block_tokens(None, [4])
+    assert hash_block_tokens(None, [1, 2, 3], ("salt",)) != a
+
+
+def test_usage_counts_only_referenced_blocks():
+    kv = KVCacheManager(11, 4, 64)  # 10 usable
+    req, _ = admit(kv, "a", list(range(8)))
+    assert kv.usage() == pytest.approx(0.2)
+    kv.free(req)
+    assert kv.usage() == 0.0  # cached but free: not "used"
+    assert kv.reset_prefix_cache()
+    assert not kv.pool.cached
+
+
+def test_fork_copies_a_shared_partial_block_on_write():
+    kv = KVCacheManager(16, 4, 64)
+    parent, _ = admit(kv, "p", [1, 2, 3, 4, 5, 6])
+    child = Request("c", [1, 2, 3, 4, 5, 6])
+    kv.fork(parent, child)
+    shared = kv.get_block_ids("p")
+    assert kv.get_block_ids("c") == shared
+    assert [kv.pool.blocks[i].ref_cnt for i in shared] == [2, 2]
+    child.all_token_ids.append(9)
+    kv.allocate_slots(child, 1)
+    assert kv.get_block_ids("c")[0] == shared[0]  # full block stays shared
+    assert kv.get_block_ids("c")[1] != shared[1]  # the partial one was copied
+    assert kv.pending_copies == [(shared[1], kv.get_block_ids("c")[1])]
+    assert kv.pool.blocks[shared[1]].ref_cnt == 1

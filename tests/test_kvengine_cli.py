@@ -1,0 +1,42 @@
+"""`kvengine` on the command line, as an operator runs it."""
+import json
+import subprocess
+import sys
+
+
+def kvengine(*args):
+    return subprocess.run([sys.executable, "-m", "kvengine", *args], capture_output=True, text=True)
+
+
+def test_help_on_every_command():
+    for cmd in ([], ["plan"], ["presets"]):
+        p = kvengine(*cmd, "--help")
+        assert p.returncode == 0 and "usage: kvengine" in p.stdout
+
+
+def test_plan_prints_vllm_startup_lines_and_json():
+    p = kvengine("plan", "--preset", "llama-3-8b", "--device", "h100-80gb", "--context", "4096", "--json")
+    assert p.returncode == 0, p.stderr
+    assert "GPU KV cache size:" in p.stdout and "Maximum concurrency for 8,192 tokens" in p.stdout
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    assert result["kv_bytes_per_token"] == 131072
+    assert result["pool_tokens"] == result["num_gpu_blocks"] * 16
+    assert set(result["max_concurrency"]) == {"4096"}
+
+
+def test_bad_flags_name_the_flag_and_exit_nonzero():
+    p = kvengine("plan", "--block-size", "24")
+    assert p.returncode == 2 and "--block-size" in p.stderr and "Traceback" not in p.stderr
+    p = kvengine("plan", "--preset", "gpt-5")
+    assert p.returncode == 2 and "--preset" in p.stderr and "llama-3-8b" in p.stderr
+    p = kvengine("plan", "--kv-cache-dtype", "fp4")
+    assert p.returncode == 2 and "--kv-cache-dtype" in p.stderr
+    p = kvengine("plan", "--preset", "llama-3-70b", "--device", "l4-24gb")
+    assert p.returncode == 1 and "engine cannot start" in p.stderr
+
+
+def test_presets_lists_models_and_devices():
+    p = kvengine("presets", "--json")
+    data = json.loads(p.stdout.strip().splitlines()[-1])
+    assert {"llama-2-7b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "tiny"} <= set(data["models"])
+    assert {"h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "a10-24gb", "l4-24gb", "cpu"} <= set(data["devices"])
