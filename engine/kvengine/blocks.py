@@ -237,6 +237,7 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the executor
+        self._forked = False  # no shared partial blocks can exist until a fork
 
     # -- queries -------------------------------------------------------------
     @property
@@ -290,9 +291,35 @@ class KVCacheManager:
                        full_sequence_must_fit: bool = False) -> list[KVCacheBlock] | None:
         """Give the request slots for `num_new_tokens` more tokens; None if the pool
         cannot (the caller preempts or stops admitting)."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is None or self._forked:
+            return self._allocate(request, req_blocks, num_new_tokens, num_new_computed_tokens,
+                                  new_computed_blocks, full_sequence_must_fit)
+        # The hot path, inline: a running request with no shared blocks asks for more slots.
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        need = computed + num_new_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        num_new_blocks = -(-need // bs) - len(req_blocks)
+        if num_new_blocks > 0:
+            if num_new_blocks > self.pool.free_queue.num_free:
+                return None
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        if self.enable_caching:
+            num_tokens = len(request.all_token_ids)
+            full = (need if need < num_tokens else num_tokens) // bs
+            if full > self.num_cached_block[request.request_id]:
+                self._cache_blocks(request, req_blocks, full)
+        return new_blocks
+
+    def _allocate(self, request, req_blocks, num_new_tokens, num_new_computed_tokens,
+                  new_computed_blocks, full_sequence_must_fit):
         bs = self.block_size
         rid = request.request_id
-        req_blocks = self.req_to_blocks.get(rid)
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
         if req_blocks is None:
             held = len(new_computed_blocks)
@@ -321,15 +348,15 @@ class KVCacheManager:
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_blocks(request, req_blocks, min(total_computed + num_new_tokens, request.num_tokens))
+            num_full = min(total_computed + num_new_tokens, request.num_tokens) // bs
+            if num_full > self.num_cached_block[rid]:
+                self._cache_blocks(request, req_blocks, num_full)
         return new_blocks
 
-    def _cache_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        num_full = num_tokens // self.block_size
+    def _cache_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_full: int) -> None:
+        """Hash and publish the request's blocks up to `num_full` full ones."""
         rid = request.request_id
         num_cached = self.num_cached_block[rid]
-        if num_full <= num_cached:
-            return
         hashes = update_block_hashes(request, self.block_size)
         self.pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
         self.num_cached_block[rid] = num_full
@@ -344,6 +371,7 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; a shared partial block is
         copied on the first write (see allocate_slots)."""
+        self._forked = True
         blocks = list(self.req_to_blocks.get(parent.request_id, ()))
         for b in blocks:
             b.ref_cnt += 1

@@ -36,7 +36,7 @@ class StepLog:
         return len(self.time)
 
     def as_dict(self) -> dict[str, list]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(slots=True)

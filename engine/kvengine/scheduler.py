@@ -76,9 +76,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        kv, running = self.kv, self.running
+        # The hot loop of every step: plain comparisons and local names on purpose.
+        allocate, running = self.kv.allocate_slots, self.running
         threshold = self.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         limit = self.max_model_len - 1  # room for the sampled token
+        scheduled, num_new = out.scheduled, out.num_new_tokens
+        total = context = pairs = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -86,22 +89,33 @@ class Scheduler:
             n = len(req.all_token_ids) - computed
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, budget, limit - computed)
+            if n > budget:
+                n = budget
+            if n > limit - computed:
+                n = limit - computed
             if n <= 0:
                 i += 1
                 continue
-            while kv.allocate_slots(req, n) is None:
+            while allocate(req, n) is None:
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                self._commit(out, req, n)
+                ctx = req.num_computed_tokens = computed + n
+                scheduled.append(req)
+                num_new.append(n)
+                total += n
+                context += ctx
+                pairs += n * ctx
                 budget -= n
                 i += 1
                 continue
             break  # the request preempted itself: nothing after it can run either
+        out.total_tokens += total
+        out.context_tokens += context
+        out.attention_token_pairs += pairs
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:

@@ -1,0 +1,83 @@
+"""kvtune JSONL, a superset of Mooncake's: one request object per line.
+
+Fields: `timestamp` (ms from the start), `input_length`, `output_length`, and
+optionally `hash_ids`, `prompt`, `session_id`. kvtune also writes
+`hash_block_size` on every record when it is not Mooncake's 512, so a trace
+with finer blocks reads back without being told its block size.
+"""
+from __future__ import annotations
+
+import json
+
+from . import fields
+from .context import ReadContext, finish
+from .errors import RecordError
+from .jsonl import json_object, numbered_lines
+from .model import DEFAULT_HASH_BLOCK_SIZE, TraceRequest, Workload
+
+
+def read_kvtune_jsonl(text: str, ctx: ReadContext, hash_block_size: int | None) -> Workload:
+    lines = list(numbered_lines(text))
+    size = hash_block_size or _stated_block_size(lines) or DEFAULT_HASH_BLOCK_SIZE
+    requests = []
+    for line, raw in lines:
+        request = ctx.parse(line, parse_line, raw, size)
+        if request is not None:
+            requests.append(request)
+    return finish(requests, ctx, size)
+
+
+def parse_line(line: str, hash_block_size: int) -> TraceRequest:
+    return parse_record(json_object(line), hash_block_size)
+
+
+def parse_record(record: dict, hash_block_size: int) -> TraceRequest:
+    _check_block_size(record, hash_block_size)
+    timestamp_ms = fields.timestamp(
+        fields.require(record, "timestamp", "a number of milliseconds >= 0"), "timestamp", "milliseconds")
+    input_length = fields.positive_int(
+        fields.require(record, "input_length", "an integer >= 1"), "input_length")
+    output_length = fields.positive_int(
+        fields.require(record, "output_length", "an integer >= 1"), "output_length")
+    raw_ids = record.get("hash_ids")
+    hash_ids = None if raw_ids is None else fields.hash_ids(raw_ids, input_length, hash_block_size)
+    prompt = fields.optional_text(record, "prompt")
+    return TraceRequest(timestamp_ms / 1000.0, input_length, output_length, hash_ids, prompt,
+                        fields.optional_text(record, "session_id", numbers_ok=True))
+
+
+def record_of(request: TraceRequest, hash_block_size: int) -> dict:
+    """The JSONL object for one request (the writer's half of the format)."""
+    record: dict = {
+        "timestamp": request.arrival_s * 1000.0,
+        "input_length": request.input_length,
+        "output_length": request.output_length,
+    }
+    if request.hash_ids is not None:
+        record["hash_ids"] = list(request.hash_ids)
+        if hash_block_size != DEFAULT_HASH_BLOCK_SIZE:
+            record["hash_block_size"] = hash_block_size
+    if request.prompt is not None:
+        record["prompt"] = request.prompt
+    if request.session_id is not None:
+        record["session_id"] = request.session_id
+    return record
+
+
+def _check_block_size(record: dict, hash_block_size: int) -> None:
+    if "hash_block_size" in record:
+        stated = fields.positive_int(record["hash_block_size"], "hash_block_size")
+        if stated != hash_block_size:
+            raise RecordError("hash_block_size", f"{hash_block_size}, the trace's hash block size", stated)
+
+
+def _stated_block_size(lines: list[tuple[int, str]]) -> int | None:
+    """The block size the first record carries, if it says."""
+    for _, raw in lines[:1]:
+        try:
+            value = json.loads(raw).get("hash_block_size")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None

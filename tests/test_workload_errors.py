@@ -1,0 +1,163 @@
+"""Every kind of bad input raises TraceError naming file, line and field; with
+skip_bad the bad records are skipped and counted instead."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtune.workload import TraceError, TraceWarning, read_workload
+
+GOOD = '{"timestamp": 0, "input_length": 10, "output_length": 2}'
+
+
+def jsonl(*records: str) -> str:
+    return "\n".join(records) + "\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_message_reads_file_line_field_expected_got(tmp_path):
+    bad = '{"timestamp": 5, "input_length": -3, "output_length": 2}'
+    path = write(tmp_path, "traces.jsonl", jsonl(*[GOOD] * 6, bad))
+    with pytest.raises(TraceError) as caught:
+        read_workload(path)
+    assert str(caught.value) == f'{path}:7: field "input_length": expected an integer >= 1, got -3'
+    assert (caught.value.line, caught.value.field) == (7, "input_length")
+
+
+JSONL_CASES = [
+    ("{not json", None, "invalid JSON"),
+    ('[1, 2]', None, "a JSON object"),
+    ('{"timestamp": 0, "input_length": 10}', "output_length", "missing"),
+    ('{"input_length": 10, "output_length": 2}', "timestamp", "missing"),
+    ('{"timestamp": "0", "input_length": 10, "output_length": 2}', "timestamp", "a number"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 2}', "timestamp", ">= 0"),
+    ('{"timestamp": 0, "input_length": "10", "output_length": 2}', "input_length", "an integer >= 1"),
+    ('{"timestamp": 0, "input_length": 2.5, "output_length": 2}', "input_length", "an integer >= 1"),
+    ('{"timestamp": 0, "input_length": true, "output_length": 2}', "input_length", "an integer >= 1"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 0}', "output_length", "got 0"),
+    ('{"timestamp": 0, "input_length": 0, "output_length": 2}', "input_length", "got 0"),
+    ('{"timestamp": 0, "input_length": 1025, "output_length": 2, "hash_ids": [1, 2]}',
+     "hash_ids", "3 ids (ceil(input_length 1025 / hash_block_size 512)), got 2"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": "1"}', "hash_ids", "a list"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [-1]}', "hash_ids", ">= 0"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 2, "prompt": 5}', "prompt", "a string"),
+]
+
+
+@pytest.mark.parametrize("record, field, expected", JSONL_CASES)
+def test_bad_kvtune_records(tmp_path, record, field, expected):
+    path = write(tmp_path, "t.jsonl", jsonl(GOOD, "", record))
+    with pytest.raises(TraceError) as caught:
+        read_workload(path, "kvtune")
+    message = str(caught.value)
+    assert message.startswith(f"{path}:3: ")
+    assert expected in message
+    if field:
+        assert f'field "{field}"' in message and caught.value.field == field
+
+
+@pytest.mark.parametrize("name, text, line, field", [
+    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,5,1\n"
+              "2023-11-16 18:17:04.0,-3,1\n", 3, "ContextTokens"),
+    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,1\n", 2, "TIMESTAMP"),
+    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,5,x\n", 2,
+     "GeneratedTokens"),
+    ("a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,5\n", 2, None),
+    ("b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+              "1,ChatGPT,0,5,5,API log\n", 2, "Request tokens"),
+    ("b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+              "soon,ChatGPT,3,5,8,API log\n", 2, "Timestamp"),
+    ("c.jsonl", '{"prompt": "hi", "output_tokens": 2}\n{"prompt": "hi"}\n', 2, "output_tokens"),
+    ("c.jsonl", '{"prompt": "", "output_tokens": 2}\n', 1, "prompt"),
+])
+def test_bad_csv_and_custom_records(tmp_path, name, text, line, field):
+    path = write(tmp_path, name, text)
+    with pytest.raises(TraceError) as caught:
+        read_workload(path)
+    assert str(caught.value).startswith(f"{path}:{line}: ")
+    assert caught.value.field == field
+    if field:
+        assert f'field "{field}"' in str(caught.value)
+
+
+def test_bad_sharegpt_turn_names_the_line_and_turn(tmp_path):
+    items = [
+        {"id": "a", "conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]},
+        {"id": "b", "conversations": [{"from": "human", "value": "x"}, {"from": "robot", "value": "y"}]},
+    ]
+    path = write(tmp_path, "s.json", "[\n" + ",\n".join(json.dumps(i) for i in items) + "\n]\n")
+    with pytest.raises(TraceError) as caught:
+        read_workload(path)
+    assert str(caught.value).startswith(f"{path}:3: ")
+    assert 'field "conversations[1].from"' in str(caught.value) and '"robot"' in str(caught.value)
+
+
+def test_sharegpt_syntax_error_is_located(tmp_path):
+    path = write(tmp_path, "s.json", '[\n{"id": "a", "conversations": []},\n{"id": oops}\n]')
+    with pytest.raises(TraceError, match=r"s\.json:3: invalid JSON"):
+        read_workload(path, "sharegpt")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(tmp_path, content):
+    path = write(tmp_path, "empty.jsonl", content)
+    with pytest.raises(TraceError, match=r"empty\.jsonl: empty file"):
+        read_workload(path)
+
+
+@pytest.mark.parametrize("name, content", [
+    ("notes.md", "# Meeting notes\n\n- buy milk\n"),
+    ("config.json", '{\n  "model": "llama"\n}\n'),
+    ("other.jsonl", '{"model": "llama", "steps": 3}\n'),
+    ("data.csv", "name,age\nann,3\n"),
+])
+def test_not_a_trace(tmp_path, name, content):
+    path = write(tmp_path, name, content)
+    with pytest.raises(TraceError, match=rf"{name}:\d+: not a recognised trace"):
+        read_workload(path)
+
+
+def test_binary_file_is_not_a_trace(tmp_path):
+    path = tmp_path / "image.png"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    with pytest.raises(TraceError, match=r"image\.png: not a trace"):
+        read_workload(path)
+
+
+def test_wrong_explicit_format_reports_the_header(tmp_path):
+    path = write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.1,5,1\n")
+    with pytest.raises(TraceError, match=r"a\.csv:1: expected the BurstGPT header"):
+        read_workload(path, "burstgpt")
+
+
+def test_skip_bad_skips_and_counts(tmp_path):
+    path = write(tmp_path, "t.jsonl", jsonl(GOOD, "{broken", GOOD.replace("10", "-1"), GOOD))
+    with pytest.warns(TraceWarning, match=r"skipped 2 bad records \(first: .*t\.jsonl:2: "):
+        w = read_workload(path, skip_bad=True)
+    assert len(w) == 2 and w.skipped == 2
+
+
+def test_skip_bad_with_nothing_left_still_fails(tmp_path):
+    path = write(tmp_path, "t.jsonl", jsonl("{broken", GOOD.replace("10", "0")))
+    with pytest.warns(TraceWarning), pytest.raises(TraceError, match="no requests to replay"):
+        read_workload(path, skip_bad=True)
+
+
+def test_mixed_hash_block_sizes_are_rejected(tmp_path):
+    records = ['{"timestamp": 0, "input_length": 20, "output_length": 1, "hash_ids": [1, 2], "hash_block_size": 16}',
+               '{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": [1], "hash_block_size": 32}']
+    path = write(tmp_path, "t.jsonl", jsonl(*records))
+    with pytest.raises(TraceError, match=r't\.jsonl:2: field "hash_block_size": expected 16'):
+        read_workload(path)
+
+
+def test_unknown_format_name(tmp_path):
+    with pytest.raises(ValueError, match="unknown trace format"):
+        read_workload(write(tmp_path, "t.jsonl", GOOD), "parquet")
