@@ -20,12 +20,21 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VPY) -m pytest
 
+DEMO_TRACE := kvtune/data/demo_traces.jsonl
+DEMO_OUT   := reports/demo-run.json
+
+# Until `kvtune search` lands, the demo replays the embedded trace on the sim
+# target (llama-3-8b on an H100) and writes the run.
 demo: $(STAMP)
-	$(VENV)/bin/kvengine plan --preset llama-3-8b --device h100-80gb
-	$(VPY) benchmarks/paged_vs_contiguous.py
+	mkdir -p reports
+	$(VENV)/bin/kvtune trace stats $(DEMO_TRACE)
+	$(VENV)/bin/kvtune run --target sim --workload $(DEMO_TRACE) --rate-scale 4 \
+		--preset llama-3-8b --device h100-80gb --out $(DEMO_OUT)
+	@echo "demo run written to $(DEMO_OUT)"
 
 bench: $(STAMP)
 	$(VPY) benchmarks/paged_vs_contiguous.py
+	$(VPY) benchmarks/replay_speed.py
 	$(VPY) benchmarks/vllm_parity.py --scenario hot256
 	$(VPY) benchmarks/vllm_parity.py --scenario tight
 

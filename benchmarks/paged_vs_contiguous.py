@@ -24,7 +24,7 @@ from kvengine.request import SamplingParams
 from kvtune.workload import head, read_workload, workload_prompt_token_ids
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_TRACE = REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"
 
 
 def build_requests(trace: str, n: int, max_model_len: int):

@@ -80,7 +80,7 @@ def _add_stats(commands) -> None:
                     "--block-size blocks would serve (the ideal prefix hit rate).")
     parser.add_argument("file", help="trace file")
     _add_read_options(parser)
-    parser.add_argument("--block-size", type=_positive_int, default=16,
+    parser.add_argument("--block-size", type=positive_int, default=16,
                         help="KV cache block size in tokens for the ideal hit rate (default: 16)")
     parser.add_argument("--json", action="store_true",
                         help="also print the statistics as one JSON object, on the last line")
@@ -96,22 +96,22 @@ def _add_convert(commands) -> None:
     parser.add_argument("input", help="trace file to read")
     parser.add_argument("output", help="kvtune JSONL file to write")
     _add_read_options(parser)
-    parser.add_argument("--head", type=_non_negative_int, metavar="N", help="keep the first N requests")
+    parser.add_argument("--head", type=non_negative_int, metavar="N", help="keep the first N requests")
     parser.add_argument("--sample", type=_count_or_fraction, metavar="N|F",
                         help="keep a random N requests, or a fraction F in (0, 1] (e.g. 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for --sample and --retime-rate (default: 0)")
-    parser.add_argument("--length-scale", type=_positive_float, metavar="X",
+    parser.add_argument("--length-scale", type=positive_float, metavar="X",
                         help="multiply input and output lengths by X")
-    parser.add_argument("--max-input", type=_positive_int, metavar="N", help="cap input lengths at N tokens")
-    parser.add_argument("--max-output", type=_positive_int, metavar="N", help="cap output lengths at N tokens")
-    parser.add_argument("--retime-rate", type=_positive_float, metavar="R",
+    parser.add_argument("--max-input", type=positive_int, metavar="N", help="cap input lengths at N tokens")
+    parser.add_argument("--max-output", type=positive_int, metavar="N", help="cap output lengths at N tokens")
+    parser.add_argument("--retime-rate", type=positive_float, metavar="R",
                         help="replace arrivals with a gamma process at R requests/s")
-    parser.add_argument("--burstiness", type=_positive_float, metavar="B",
+    parser.add_argument("--burstiness", type=positive_float, metavar="B",
                         help="gamma shape for --retime-rate: 1 Poisson (default), <1 burstier, "
                              "inf constant gaps (as vllm bench serve --burstiness)")
-    parser.add_argument("--time-scale", type=_positive_float, metavar="X",
+    parser.add_argument("--time-scale", type=positive_float, metavar="X",
                         help="multiply arrival times by X (2 = half speed)")
-    parser.add_argument("--rate-scale", type=_positive_float, metavar="X",
+    parser.add_argument("--rate-scale", type=positive_float, metavar="X",
                         help="divide arrival times by X (2 = twice the request rate)")
     parser.set_defaults(func=convert_command)
 
@@ -123,31 +123,31 @@ def _add_synth(commands) -> None:
         epilog=SYNTH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-o", "--output", required=True, help="kvtune JSONL file to write")
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--num-requests", type=_positive_int, metavar="N",
+    size.add_argument("--num-requests", type=positive_int, metavar="N",
                       help="number of requests (default: 100)")
-    size.add_argument("--duration", type=_positive_float, metavar="S",
+    size.add_argument("--duration", type=positive_float, metavar="S",
                       help="generate sessions for S seconds instead of a fixed count")
-    parser.add_argument("--rate", type=_positive_float, default=1.0,
+    parser.add_argument("--rate", type=positive_float, default=1.0,
                         help="new sessions per second (= requests/s for single-turn; default: 1)")
     parser.add_argument("--arrival", choices=sorted(ARRIVALS), default="poisson",
                         help="arrival process (default: poisson)")
-    parser.add_argument("--burstiness", type=_positive_float, default=1.0,
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="gamma shape for --arrival gamma (default: 1)")
     parser.add_argument("--input-len", default="512", metavar="DIST",
                         help="user message length per turn (default: 512)")
     parser.add_argument("--output-len", default="128", metavar="DIST", help="answer length (default: 128)")
-    parser.add_argument("--system-prompts", type=_non_negative_int, default=0, metavar="N",
+    parser.add_argument("--system-prompts", type=non_negative_int, default=0, metavar="N",
                         help="number of shared system prompts (default: 0)")
-    parser.add_argument("--system-prompt-len", type=_non_negative_int, default=0, metavar="L",
+    parser.add_argument("--system-prompt-len", type=non_negative_int, default=0, metavar="L",
                         help="tokens per system prompt")
     parser.add_argument("--system-prompt-shares", type=_shares, metavar="S1,S2,...",
                         help="share of sessions using each system prompt (default: all, split evenly)")
     parser.add_argument("--turns", default="1", metavar="DIST", help="turns per session (default: 1)")
-    parser.add_argument("--think-time", type=_non_negative_float, default=0.0, metavar="S",
+    parser.add_argument("--think-time", type=non_negative_float, default=0.0, metavar="S",
                         help="mean seconds between a session's turns (exponential; default: 0)")
-    parser.add_argument("--max-input", type=_positive_int, metavar="N",
+    parser.add_argument("--max-input", type=positive_int, metavar="N",
                         help="cap prompts at N tokens; a session ends when its next turn would not fit")
-    parser.add_argument("--hash-block-size", type=_positive_int, default=16,
+    parser.add_argument("--hash-block-size", type=positive_int, default=16,
                         help="tokens per hash id (default: 16)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.set_defaults(func=synth_command)
@@ -157,7 +157,7 @@ def _add_read_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, help=FORMAT_HELP)
     parser.add_argument("--skip-bad", action="store_true",
                         help="skip bad records (and say how many) instead of stopping at the first")
-    parser.add_argument("--hash-block-size", type=_positive_int,
+    parser.add_argument("--hash-block-size", type=positive_int,
                         help="tokens per hash id (default: as the file states, else 512)")
 
 
@@ -289,26 +289,26 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     return _checked(int, text, lambda v: v >= 1, "an integer >= 1")
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     return _checked(int, text, lambda v: v >= 0, "an integer >= 0")
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     return _checked(float, text, lambda v: v > 0, "a number > 0")
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float(text: str) -> float:
     return _checked(float, text, lambda v: v >= 0, "a number >= 0")
 
 
 def _count_or_fraction(text: str) -> int | float:
     if any(c in text for c in ".eE"):
         return _checked(float, text, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
-    return _non_negative_int(text)
+    return non_negative_int(text)
 
 
 def _shares(text: str) -> tuple[float, ...]:

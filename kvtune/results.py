@@ -1,0 +1,127 @@
+"""RunResult: what one run of a workload on a target produced, whatever the target.
+
+Per-request records (what the clients saw), per-step or per-scrape series
+(what the server said), the config and the workload's profile, and a summary
+of plain figures. Every target returns this shape, so scoring, diagnosis and
+the store never need to know which target ran.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
+QUANTILES = (50, 95, 99)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    queue_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None  # stop | length | abort | rejected | error
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.ttft_s is not None
+
+
+@dataclass
+class RunResult:
+    target: str
+    model: str
+    device: str
+    config: dict
+    workload: dict  # the workload's profile (kvtune.workload.workload_stats)
+    requests: list[RequestRecord]
+    series: dict[str, list]  # name -> values, aligned with series["time"]
+    duration_s: float  # first arrival to last completion
+    wall_s: float = 0.0
+    summary: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunResult":
+        data = dict(data)
+        data["requests"] = [RequestRecord(**r) for r in data["requests"]]
+        return cls(**data)
+
+    def write_json(self, path: str) -> None:
+        """Atomically: a reader never sees half a file."""
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".run-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    @classmethod
+    def read_json(cls, path: str) -> "RunResult":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def quantiles(values, prefix: str) -> dict:
+    """{prefix_p50: .., prefix_p95: .., prefix_p99: .., prefix_mean: ..}, None when empty."""
+    arr = np.asarray(values, dtype=float)
+    if arr.size == 0:
+        return {f"{prefix}_p{q}": None for q in QUANTILES} | {f"{prefix}_mean": None}
+    out = {f"{prefix}_p{q}": float(v) for q, v in zip(QUANTILES, np.percentile(arr, QUANTILES))}
+    out[f"{prefix}_mean"] = float(arr.mean())
+    return out
+
+
+def summarize(result: RunResult) -> dict:
+    """The plain figures of a run (seconds, tokens, fractions)."""
+    ok = [r for r in result.requests if r.ok]
+    duration = result.duration_s or float("nan")
+    s = result.series
+    summary = {
+        "requests": len(result.requests),
+        "completed": len(ok),
+        "rejected": sum(r.finish_reason == "rejected" for r in result.requests),
+        "failed": sum(r.error is not None and r.finish_reason != "rejected" for r in result.requests),
+        "duration_s": result.duration_s,
+        "throughput_rps": len(ok) / duration,
+        "output_tok_s": sum(r.output_tokens for r in ok) / duration,
+        "input_tok_s": sum(r.prompt_tokens for r in ok) / duration,
+    }
+    summary |= quantiles([r.ttft_s for r in ok], "ttft")
+    summary |= quantiles([r.tpot_s for r in ok if r.output_tokens > 1], "tpot")
+    summary |= quantiles(np.concatenate([r.itl_s for r in ok]) if ok else [], "itl")
+    summary |= quantiles([r.e2e_s for r in ok], "e2e")
+    summary |= quantiles([r.queue_s for r in ok if r.queue_s is not None], "queue")
+    queries, hits = sum(s.get("prefix_queries", ())), sum(s.get("prefix_hits", ()))
+    summary["prefix_hit_rate"] = hits / queries if queries else None
+    summary["ideal_prefix_hit_rate"] = result.workload.get("ideal_prefix_hit_rate")
+    summary["preemptions"] = int(sum(s.get("num_preemptions", ())))
+    usage = s.get("kv_usage", [])
+    summary["kv_usage_peak"] = max(usage) if usage else None
+    summary["kv_usage_mean"] = _time_weighted_mean(usage, s.get("duration")) if usage else None
+    running = s.get("num_running", [])
+    summary["running_peak"] = max(running) if running else None
+    return summary
+
+
+def _time_weighted_mean(values: list[float], durations: list[float] | None) -> float:
+    if not durations or sum(durations) == 0:
+        return float(np.mean(values))
+    return float(np.dot(values, durations) / sum(durations))
