@@ -69,7 +69,7 @@ def format_summary(result: RunResult) -> str:
         f"over {s['duration_s']:.1f} s",
         f"throughput      {s['throughput_rps']:.2f} req/s, {s['output_tok_s']:,.0f} output tok/s, "
         f"{s['input_tok_s']:,.0f} input tok/s",
-        f"latency (ms)         p50       p95       p99",
+        "latency (ms)         p50       p95       p99",
     ]
     for name in ("ttft", "tpot", "itl", "e2e", "queue"):
         lines.append(f"  {name:<10}{ms(name + '_p50')} {ms(name + '_p95')} {ms(name + '_p99')}")

@@ -10,7 +10,7 @@ import pytest
 
 from kvtune.workload import add_trace_commands, read_workload
 
-AZURE_CODE = Path(__file__).resolve().parent.parent / "traces" / "AzureLLMInferenceTrace_code.csv"
+from tracepaths import AZURE_CODE
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:17:03.9799600,4808,10
 2023-11-16 18:17:04.0319600,3180,8

@@ -17,7 +17,7 @@ from kvtune.workload import (
     write_workload,
 )
 
-TRACES = Path(__file__).resolve().parent.parent / "traces"
+from tracepaths import TRACES
 
 # Tests that are about a warning catch it with pytest.warns; elsewhere it is noise.
 pytestmark = pytest.mark.filterwarnings("ignore::kvtune.workload.TraceWarning")

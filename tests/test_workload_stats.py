@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
 from kvtune.workload import TraceRequest, Workload, prefix_reuse, read_workload, workload_stats
 
-AZURE_CONV = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+from tracepaths import AZURE_CONV
 
 
 def test_hand_made_trace_with_block_equal_to_hash_block():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
@@ -19,7 +18,7 @@ from kvtune.workload import (
     workload_prompt_token_ids,
 )
 
-AZURE_CONV = Path("/work/shared/traces/AzureLLMInferenceTrace_conv.csv")
+from tracepaths import AZURE_CONV
 
 
 def test_count_tokens_is_utf8_bytes():
