@@ -53,12 +53,20 @@ class LLMEngine:
         self.config = config.resolve(model, device)
         self.model = model
         self.device = device
-        self.memory: MemoryPlan = plan_memory(model, device, self.config)
+        # A real executor may measure its activation peak (a profiling pass at
+        # max_num_batched_tokens, as vLLM does) before the pool is sized, and
+        # allocates its KV cache tensors once the block count is known.
+        profile = getattr(executor, "profile_activation_bytes", None)
+        activation = profile(self.config) if profile else None
+        self.memory: MemoryPlan = plan_memory(model, device, self.config, activation)
         self.kv = self._make_kv_manager(self.memory.num_gpu_blocks)
         self.scheduler = Scheduler(self.config, self.kv)
         self.cost = StepCost.build(model, device, self.config.kv_cache_dtype,
                                    self.config.block_size, cost_coefficients)
         self.executor = executor or SimExecutor(self.cost)
+        init_cache = getattr(self.executor, "initialize_cache", None)
+        if init_cache:
+            init_cache(self.memory.num_gpu_blocks, self.kv)
         self.clock = clock or VirtualClock()
         self.eos_token_id = eos_token_id
         self.steps = StepLog()

@@ -87,14 +87,19 @@ def max_concurrency(num_gpu_blocks: int, block_size: int, context_len: int) -> f
     return num_gpu_blocks / blocks_per_request
 
 
-def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig) -> MemoryPlan:
-    """Size the KV pool; raise KVCacheMemoryError as vLLM fails at start-up."""
+def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
+                activation_bytes: int | None = None) -> MemoryPlan:
+    """Size the KV pool; raise KVCacheMemoryError as vLLM fails at start-up.
+
+    `activation_bytes` is a measured activation peak (the torch executor's
+    profiling pass); without one, the estimate is used."""
     unresolved = None in (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
     cfg = config.resolve(model, device) if unresolved else config
     block_bytes = kv_bytes_per_block(model, cfg.kv_cache_dtype, cfg.block_size)
     requested = math.ceil(device.memory_bytes * cfg.gpu_memory_utilization)
     weights = model.weight_bytes
-    activation = activation_peak_bytes(model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+    activation = (activation_peak_bytes(model, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+                  if activation_bytes is None else activation_bytes)
     overhead = device.non_torch_overhead_bytes
     available = requested - weights - activation - overhead
     if cfg.num_gpu_blocks_override is not None:
