@@ -7,7 +7,7 @@ import json
 import sys
 
 from .config import DEVICE_PRESETS, GiB, MODEL_PRESETS, ConfigError
-from .flags import add_engine_flags, add_model_flags, config_from_args, specs_from_args
+from .flags import add_engine_flags, add_model_flags, add_serve_flags, config_from_args, specs_from_args
 from .memory import KVCacheMemoryError, kv_bytes_per_token, plan_memory
 
 
@@ -59,6 +59,11 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import serve
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvengine", description="The bundled vLLM-style paged-KV engine.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -70,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report max concurrency at this context length (repeatable)")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.set_defaults(func=cmd_plan)
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API and vLLM's /metrics",
+                       description="Serve the engine over HTTP, as `vllm serve` does: /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics.")
+    add_model_flags(p, default_preset="tiny", default_device="cpu")
+    add_engine_flags(p)
+    add_serve_flags(p)
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("presets", help="list model and device presets", description=cmd_presets.__doc__)
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     p.set_defaults(func=cmd_presets)

@@ -34,6 +34,18 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     rms_norm_eps: float = 1e-5
+    # Optional, for the torch model (defaults leave every preset above unchanged):
+    architecture: str = "llama"  # llama | mistral | qwen2 (all the same decoder here)
+    # HF's rope_scaling / rope_parameters minus rope_theta, as sorted (key, value)
+    # pairs so the spec stays hashable; None = plain RoPE. See rope_scaling_dict.
+    rope_scaling: tuple[tuple[str, object], ...] | None = None
+    sliding_window: int | None = None  # Mistral v0.1's windowed attention
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
 
     @property
     def dtype_bytes(self) -> int:

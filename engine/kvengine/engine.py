@@ -12,7 +12,7 @@ from .contiguous import ContiguousKVCacheManager
 from .cost import CostCoefficients, StepCost
 from .executor import Executor, SimExecutor
 from .memory import MemoryPlan, plan_memory
-from .request import PromptTooLongError, Request, SamplingParams
+from .request import PromptTooLongError, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 
 
@@ -49,7 +49,8 @@ class StepResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: ModelSpec, device: DeviceSpec,
                  executor: Executor | None = None, clock: VirtualClock | WallClock | None = None,
-                 cost_coefficients: CostCoefficients | None = None, eos_token_id: int | None = None):
+                 cost_coefficients: CostCoefficients | None = None, eos_token_id: int | None = None,
+                 record_steps: bool = True):
         self.config = config.resolve(model, device)
         self.model = model
         self.device = device
@@ -70,6 +71,7 @@ class LLMEngine:
         self.clock = clock or VirtualClock()
         self.eos_token_id = eos_token_id
         self.steps = StepLog()
+        self.record_steps = record_steps  # a long-lived server keeps no per-step history
         self.finished: list[Request] = []
         self.num_preemptions = 0
         self._prefix_seen = (0, 0)
@@ -85,21 +87,9 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request; raises PromptTooLongError (vLLM's 400) if it cannot fit."""
         sp = sampling_params or SamplingParams()
+        self.check_prompt(len(prompt_token_ids))
         max_len = self.config.max_model_len
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("The decoder prompt cannot be empty")
-        if n > max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {n}) is longer than the maximum model length "
-                f"of {max_len}. Make sure that `max_model_len` is no smaller than the number "
-                "of text tokens.")
-        if n == max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {n}) plus the number of requested output tokens "
-                f"(at least 1) is longer than the maximum model length of {max_len}. Make sure "
-                "that `max_model_len` is no smaller than the number of text tokens (prompt + "
-                "requested output tokens).")
         if sp.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {sp.max_tokens}")
         if sp.max_tokens > max_len - n:
@@ -109,8 +99,26 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return req
 
-    def abort(self, request_id: str) -> bool:
-        done = self.scheduler.finish_requests([request_id])
+    def check_prompt(self, num_tokens: int) -> None:
+        """The input checks vLLM's frontend makes before a request reaches the engine."""
+        max_len = self.config.max_model_len
+        if num_tokens == 0:
+            raise ValueError("The decoder prompt cannot be empty")
+        if num_tokens > max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {num_tokens}) is longer than the maximum model length "
+                f"of {max_len}. Make sure that `max_model_len` is no smaller than the number "
+                "of text tokens.")
+        if num_tokens == max_len:
+            raise PromptTooLongError(
+                f"The decoder prompt (length {num_tokens}) plus the number of requested output "
+                f"tokens (at least 1) is longer than the maximum model length of {max_len}. Make "
+                "sure that `max_model_len` is no smaller than the number of text tokens (prompt + "
+                "requested output tokens).")
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
+        """End a request early (a client went away, or a stop string matched)."""
+        done = self.scheduler.finish_requests([request_id], status)
         for req in done:
             req.finish_time = self.clock.now
         self.finished.extend(done)
@@ -145,7 +153,8 @@ class LLMEngine:
         for req in finished:
             req.finish_time = now
         self.finished.extend(finished)
-        self._log_step(out, now, now - start)
+        if self.record_steps:
+            self._log_step(out, now, now - start)
         return StepResult(new_tokens, finished, out.preempted)
 
     def _log_step(self, out, now: float, duration: float) -> None:

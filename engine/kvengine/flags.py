@@ -6,6 +6,7 @@ flag means the same thing everywhere and a recommended config pastes unchanged.
 from __future__ import annotations
 
 import argparse
+import re
 
 from .config import (BLOCK_SIZES, DEVICE_PRESETS, KV_CACHE_DTYPES, MODEL_PRESETS, EngineConfig,
                      device_preset, model_preset)
@@ -61,3 +62,35 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def specs_from_args(args: argparse.Namespace):
     return model_preset(args.preset), device_preset(args.device)
 
+
+EXECUTORS = ("torch", "sim")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1 << 10, "M": 10**6, "MB": 10**6, "MIB": 1 << 20,
+          "G": 10**9, "GB": 10**9, "GIB": 1 << 30, "T": 10**12, "TB": 10**12, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '3e9'-free plain bytes: for --device-memory."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 2GiB, 512MiB or 1000000000, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving (vllm serve's flags where they exist)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model name(s) in the API and the metrics' model_name label (the first one)")
+    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route")
+    g.add_argument("--seed", type=int, default=0, help="random weights and sampling seed (default: 0)")
+    g.add_argument("--executor", choices=EXECUTORS, default="torch",
+                   help="torch: real forward passes; sim: the cost model's latencies in wall-clock time "
+                        "(default: %(default)s)")
+    g.add_argument("--model", metavar="PATH",
+                   help="a local Hugging Face folder (config.json + *.safetensors) for the torch executor")
+    g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                   help="on the CPU, the memory budget that plays the device's total memory (e.g. 2GiB)")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))

@@ -1,0 +1,137 @@
+"""The paged KV cache tensors, and the one place K/V enter and leave them.
+
+One payload tensor holds every layer's K and V:
+
+    data[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]
+
+head-major inside each layer, so gathering a batch's blocks by one index gives
+[kv_heads, seqs, tokens, head_dim] in one copy, ready for a batched matmul.
+A token's slot is `block_id * block_size + offset`, as in vLLM's slot mapping.
+Its bytes are exactly `num_blocks * memory.kv_bytes_per_block(...)`.
+
+`kv_cache_dtype` (vLLM's flag, plus int8):
+    auto               the model's dtype, stored as is
+    fp8, fp8_e4m3      torch.float8_e4m3fn (max 448)
+    fp8_e5m2           torch.float8_e5m2 (max 57344)
+    int8               torch.int8, symmetric, round to nearest (max 127)
+The quantized types keep one float32 scale per (token slot, kv head), K and V
+apart: scale = amax over head_dim / max of the type (vLLM's
+`*_per_token_head` layout). A scale is fixed when its token is written, so a
+block never needs re-quantizing as it fills. The scales are a side tensor,
+reported apart (`scale_bytes`: 4 / head_dim of the payload per element byte).
+"""
+from __future__ import annotations
+
+import torch
+
+STORAGE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+QUANT_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return STORAGE_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}") from None
+
+
+class PagedKVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, kv_cache_dtype: str, model_dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kv_cache_dtype = kv_cache_dtype
+        self.model_dtype = model_dtype
+        self.dtype = storage_dtype(kv_cache_dtype, model_dtype)
+        self.quantized = kv_cache_dtype != "auto"
+        self.qmax = QUANT_MAX.get(self.dtype)
+        shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+        # Empty, not zeros: a block is zeroed when its first slot is written
+        # (zero_fresh_blocks), so no stale NaN bytes are ever read, and a multi-GiB
+        # pool starts at once instead of touching every page.
+        self.data = torch.empty(shape, dtype=self.dtype, device=device)
+        # Byte view for indexing: index_copy_/index_select have no float8 kernels.
+        self.raw = self.data.view(torch.uint8) if self.dtype.is_floating_point and self.quantized \
+            else self.data
+        self.scales = (torch.empty(shape[:-1], dtype=torch.float32, device=device)
+                       if self.quantized else None)
+        self.zero_blocks(torch.tensor([0], device=device))  # the null block pads block tables
+
+    # -- sizes ----------------------------------------------------------------
+    @property
+    def payload_bytes(self) -> int:
+        """K+V bytes, all layers: what memory.kv_bytes_per_block predicts, times blocks."""
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def scale_bytes(self) -> int:
+        return 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+
+    # -- block maintenance --------------------------------------------------
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Zero whole blocks (every layer, K and V)."""
+        self.raw.index_fill_(3, block_ids, 0)
+        if self.scales is not None:
+            self.scales.index_fill_(3, block_ids, 0)
+
+    def zero_fresh_blocks(self, slots: torch.Tensor) -> None:
+        """Zero the blocks whose first slot this step writes: a block fills from
+        offset 0 (prefix hits and copy-on-write copies arrive full), so a padded
+        read past a request's last token only ever sees zeros or old, finite K/V."""
+        fresh = slots[slots % self.block_size == 0]
+        if fresh.numel():
+            self.zero_blocks(fresh // self.block_size)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst becomes a copy of block src, every layer."""
+        if not pairs:
+            return
+        dev = self.data.device
+        src = torch.tensor([s for s, _ in pairs], device=dev)
+        dst = torch.tensor([d for _, d in pairs], device=dev)
+        self.raw.index_copy_(3, dst, self.raw.index_select(3, src))
+        if self.scales is not None:
+            self.scales.index_copy_(3, dst, self.scales.index_select(3, src))
+
+    # -- the write and the read of one layer ------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store the step's new K and V ([T, kv_heads, head_dim]) at their slots."""
+        for i, x in enumerate((k, v)):
+            dst = self.raw[layer, i].view(self.num_kv_heads, -1, self.head_dim)
+            if not self.quantized:
+                dst.index_copy_(1, slots, x.transpose(0, 1).to(self.dtype))
+                continue
+            q, scale = self._quantize(x)
+            dst.index_copy_(1, slots, q.transpose(0, 1))
+            self.scales[layer, i].view(self.num_kv_heads, -1).index_copy_(1, slots, scale.t())
+
+    def _quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.float()
+        scale = x.abs().amax(-1).clamp_(min=1e-12) / self.qmax  # [T, kv_heads]
+        y = x / scale.unsqueeze(-1)
+        if self.dtype == torch.int8:
+            q = y.round_().clamp_(-127, 127).to(torch.int8)
+        else:
+            q = y.clamp_(-self.qmax, self.qmax).to(self.dtype).view(torch.uint8)
+        return q, scale
+
+    def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the listed blocks, in order, in the model's dtype:
+        two [kv_heads, len(block_ids) * block_size, head_dim] tensors."""
+        h, bs, d = self.num_kv_heads, self.block_size, self.head_dim
+        both = self.raw[layer].view(2 * h, self.num_blocks, bs * d).index_select(1, block_ids)
+        both = both.view(2 * h, -1, d)
+        if self.quantized:
+            if self.dtype != torch.int8:
+                both = both.view(self.dtype)
+            scale = self.scales[layer].view(2 * h, self.num_blocks, bs).index_select(1, block_ids)
+            both = (both.to(torch.float32) * scale.view(2 * h, -1, 1)).to(self.model_dtype)
+        return both[:h], both[h:]

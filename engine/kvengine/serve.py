@@ -1,0 +1,56 @@
+"""`kvengine serve`: build the engine the flags describe, then serve it over HTTP."""
+from __future__ import annotations
+
+import logging
+
+from .clock import WallClock
+from .config import ConfigError, device_preset, model_preset
+from .engine import LLMEngine
+from .flags import config_from_args
+from .loop import EngineLoop
+from .metrics import EngineMetrics
+from .server import ServerState, create_app
+
+def build_state(args) -> ServerState:
+    """The engine, its loop, metrics and tokenizer, as the flags ask."""
+    config = config_from_args(args)
+    if args.executor == "sim":
+        if args.model:
+            raise ConfigError("--model needs --executor torch: the sim executor runs no weights")
+        device = device_preset(args.device)
+        model = model_preset(args.preset)
+        from .tokenizer import ByteTokenizer
+        tokenizer = ByteTokenizer(model.vocab_size)
+        engine = LLMEngine(config, model, device, clock=WallClock(), record_steps=False,
+                           eos_token_id=tokenizer.eos_token_id)
+        root = model.name
+    else:
+        from .torch_executor import build_torch_engine
+        engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
+                                    device_memory=args.device_memory, seed=args.seed)
+        engine.record_steps = False
+        tokenizer = engine.executor.tokenizer
+        root = args.model or engine.model.name
+    name = (args.served_model_name or [args.model or engine.model.name])[0]
+    loop = EngineLoop(engine, EngineMetrics(name, engine))
+    return ServerState(loop, tokenizer, name, root, args.api_key)
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    state = build_state(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvengine.serve")
+    engine = state.loop.engine
+    for line in engine.memory.log_lines(engine.config.max_model_len):
+        log.info(line)
+    state.loop.start()
+    app = create_app(state)
+    log.info("serving %s on http://%s:%d (executor %s)", state.served_model_name, args.host, args.port,
+             args.executor)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        state.loop.shutdown()
+    return 0
