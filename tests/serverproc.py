@@ -48,7 +48,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        return self.proc.stdout.read() if self.proc.stdout else ""
+        if not self.proc.stdout:
+            return ""
+        with self.proc.stdout:
+            return self.proc.stdout.read()
 
 
 def scrape(url: str) -> dict[str, float]:
