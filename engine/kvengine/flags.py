@@ -59,6 +59,25 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def launch_flags(config: EngineConfig) -> list[str]:
+    """The `vllm serve` / `kvengine serve` arguments that reproduce `config`."""
+    args = ["--block-size", str(config.block_size),
+            "--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}",
+            "--kv-cache-dtype", config.kv_cache_dtype]
+    for flag, value in (("--max-num-seqs", config.max_num_seqs),
+                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
+                        ("--max-model-len", config.max_model_len),
+                        ("--num-gpu-blocks-override", config.num_gpu_blocks_override)):
+        if value is not None:
+            args += [flag, str(value)]
+    if config.long_prefill_token_threshold:
+        args += ["--long-prefill-token-threshold", str(config.long_prefill_token_threshold)]
+    args.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
+    if not config.enable_chunked_prefill:
+        args.append("--no-enable-chunked-prefill")
+    return args
+
+
 def specs_from_args(args: argparse.Namespace):
     return model_preset(args.preset), device_preset(args.device)
 

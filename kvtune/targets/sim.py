@@ -1,13 +1,10 @@
-"""Targets run a workload under an engine config and return a RunResult.
-
-`SimTarget` replays the workload through kvengine's engine core with the
+"""`SimTarget` replays the workload through kvengine's engine core with the
 simulated executor in virtual time: the same scheduler and KV cache manager as
 the live engine, no model, step times from the roofline cost model.
 """
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import CostCoefficients
@@ -16,18 +13,9 @@ from kvengine.memory import KVCacheMemoryError
 from kvengine.request import Request, SamplingParams
 from kvengine.stats import request_timings
 
-from .results import RequestRecord, RunResult, summarize
-from .workload import Workload, workload_prompt_token_ids, workload_stats
-
-
-class TargetStartError(RuntimeError):
-    """The server could not start with this config (an OOM, a bad flag): a failed trial."""
-
-
-class Target(Protocol):
-    name: str
-
-    def run(self, config: EngineConfig, workload: Workload) -> RunResult: ...
+from ..results import RequestRecord, RunResult, summarize
+from ..workload import Workload, workload_prompt_token_ids, workload_stats
+from .base import TargetStartError
 
 
 class SimTarget:
@@ -58,7 +46,7 @@ class SimTarget:
         stats = workload_stats(workload, block_size=engine.config.block_size)
         result = RunResult(
             target=self.name, model=self.model.name, device=self.device.name,
-            config=_config_dict(engine.config), workload=stats, requests=records,
+            config=config_dict(engine.config), workload=stats, requests=records,
             series=engine.steps.as_dict(), duration_s=max(engine.clock.now - first, 0.0),
             wall_s=time.perf_counter() - t0)
         result.summary = summarize(result)
@@ -80,5 +68,5 @@ def _record(req: Request) -> RequestRecord:
                          t.ttft, t.tpot, t.e2e, t.queue, list(t.itl), t.num_preemptions, t.finish_reason)
 
 
-def _config_dict(config: EngineConfig) -> dict:
+def config_dict(config: EngineConfig) -> dict:
     return {k: v for k, v in vars(config).items() if k != "extra"}

@@ -1,0 +1,150 @@
+"""Open-loop trace replay with Locust, driven from the agent as a subprocess.
+
+The agent never imports locust (its gevent monkey-patching breaks threads,
+ssl and clean exits in the importing process). This module holds what both
+sides share — the replay plan, SSE parsing, the per-request sample — and the
+agent's launcher; `kvtune/locustfile.py` holds the Locust users.
+
+Each request is sent at its arrival time, however the server is doing; its
+lateness (sent - scheduled) is recorded, so a load generator that cannot keep
+up is caught instead of silently turning into a closed loop.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .results import RequestRecord
+from .workload import read_workload, workload_prompt_token_ids
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+LATE_WARN_S = 1.0  # a request sent this late means the generator did not keep up
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayItem:
+    index: int
+    arrival_s: float
+    prompt: list[int] | str
+    max_tokens: int
+
+
+def load_plan(path: str, shard: int = 0, shards: int = 1, use_text: bool = False) -> list[ReplayItem]:
+    """This shard's requests (index % shards == shard), with their prompt tokens."""
+    workload = read_workload(path)
+    plan = []
+    for i, (req, tokens) in enumerate(zip(workload.requests, workload_prompt_token_ids(workload))):
+        if i % shards != shard:
+            continue
+        prompt = req.prompt if use_text and req.prompt is not None else tokens
+        plan.append(ReplayItem(i, req.arrival_s, prompt, req.output_length))
+    return plan
+
+
+def sse_payload(line: str):
+    """One SSE line -> its JSON payload, "DONE", or None for blank/comment lines."""
+    if not line or not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return "DONE"
+    return json.loads(data)
+
+
+def record_from_sample(s: dict) -> RequestRecord:
+    """A raw sample line (written by the locustfile) as the RunResult's request record."""
+    return RequestRecord(
+        request_id=str(s["index"]), arrival_s=s["scheduled_s"], prompt_tokens=s.get("prompt_tokens") or 0,
+        output_tokens=s.get("output_tokens") or 0, ttft_s=s.get("ttft_s"), tpot_s=s.get("tpot_s"),
+        e2e_s=s.get("e2e_s"), queue_s=None, itl_s=s.get("itl_s") or [], finish_reason=s.get("finish_reason"),
+        error=s.get("error"))
+
+
+@dataclass
+class LoadResult:
+    samples: list[dict]
+    returncode: int
+    log: str
+    locust_stats: list
+    max_lateness_s: float
+    requests_planned: int
+
+    @property
+    def kept_up(self) -> bool:
+        return self.max_lateness_s < LATE_WARN_S
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        return sorted((record_from_sample(s) for s in self.samples), key=lambda r: int(r.request_id))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _locust_cmd(host: str, workload: str, samples: str, model: str | None, users: int, run_time_s: int,
+                json_file: str, shards: int) -> list[str]:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
+           "-u", str(users), "-r", str(users), "--run-time", f"{run_time_s}s", "--stop-timeout", "10",
+           "--only-summary", "--loglevel", "WARNING", "--json-file", json_file,
+           "--kvtune-workload", workload, "--kvtune-samples", samples, "--kvtune-shards", str(shards)]
+    if model:
+        cmd += ["--kvtune-model", model]
+    return cmd
+
+
+def run_load(host: str, workload_path: str, model: str | None = None, users: int = 256,
+             run_time_s: int = 600, workers: int = 0, timeout_s: float | None = None) -> LoadResult:
+    """Replay `workload_path` against `host` with Locust in subprocesses; `workers` > 0
+    runs a master and that many workers on loopback, each replaying its shard."""
+    out = tempfile.mkdtemp(prefix="kvtune-load-")
+    samples, json_base = os.path.join(out, "samples"), os.path.join(out, "locust")
+    shards = max(workers, 1)
+    base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, json_base, shards)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    timeout_s = timeout_s or run_time_s + 60
+    if workers:
+        port = _free_port()
+        master = subprocess.Popen(base + ["--master", "--master-bind-host", "127.0.0.1",
+                                          "--master-bind-port", str(port), "--expect-workers", str(workers)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        worker_cmd = [a for a in base if a not in ("--headless",)]
+        procs = [subprocess.Popen(worker_cmd + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                 for _ in range(workers)]
+    else:
+        master = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        procs = []
+    try:
+        log, _ = master.communicate(timeout=timeout_s)
+        for p in procs:
+            p.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        for p in [master, *procs]:
+            p.kill()
+        log = (master.stdout.read() if master.stdout else "") + f"\nkilled after {timeout_s:.0f} s"
+    return _collect(out, samples, json_base, master.returncode if master.returncode is not None else -9,
+                    log, workload_path)
+
+
+def _collect(out: str, samples_prefix: str, json_base: str, rc: int, log: str, workload_path: str) -> LoadResult:
+    samples = []
+    for name in sorted(os.listdir(out)):
+        if name.startswith(os.path.basename(samples_prefix)):
+            with open(os.path.join(out, name)) as f:
+                samples += [json.loads(line) for line in f if line.strip()]
+    stats = []
+    if os.path.exists(json_base + ".json"):
+        with open(json_base + ".json") as f:
+            stats = json.load(f)
+    lateness = max((s["lateness_s"] for s in samples), default=0.0)
+    planned = len(read_workload(workload_path))
+    return LoadResult(samples, rc, log, stats, lateness, planned)

@@ -1,0 +1,184 @@
+"""`kvtune run`: replay a workload on a target with one config, store it, summarise it."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvengine.config import device_preset, model_preset
+from kvengine.flags import add_engine_flags, config_from_args, parse_size
+
+from .results import RunResult
+from .store import Store, add_db_argument, resolve_db_url
+from .targets import (EngineTarget, LiveOptions, SglangTarget, SimTarget, TargetRunError, TargetStartError,
+                      UrlTarget, VllmTarget)
+from .targets.sim import config_dict
+from .workload import FORMATS, head, rate_scale, read_workload
+from .workload.cli import positive_float, positive_int
+
+TARGETS = ("sim", "engine", "vllm", "sglang")
+# Per target (and engine executor): the model and device presets when none is given.
+DEFAULT_SPECS = {"sim": ("llama-3-8b", "h100-80gb"), "engine:torch": ("tiny", "cpu"),
+                 "engine:sim": ("llama-3-8b", "h100-80gb")}
+
+
+def target_arg(text: str) -> str:
+    if text in TARGETS or text.startswith(("http://", "https://")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(TARGETS)} or a server URL "
+                                     f"(http://host:port), got {text!r}")
+
+
+def add_run_command(sub) -> None:
+    p = sub.add_parser("run", help="replay a workload on a target and summarise it",
+                       description="Replay a workload on a target with one engine config, store the run "
+                                   "and print its summary: client-side and server-side figures side by side.")
+    p.add_argument("--target", type=target_arg, default="sim", metavar="TARGET",
+                   help="sim (engine core, virtual time), engine (kvengine serve), vllm (vllm serve), "
+                        "sglang, or the URL of a running server (observe only) (default: %(default)s)")
+    p.add_argument("--workload", required=True, metavar="FILE", help="the trace to replay")
+    p.add_argument("--format", choices=FORMATS, help="trace format (default: detected from the content)")
+    p.add_argument("--skip-bad", action="store_true", help="skip bad trace records, and say how many")
+    p.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="X",
+                   help="replay at X times the trace's request rate (default: 1)")
+    p.add_argument("--head", type=positive_int, metavar="N", help="only the first N requests")
+    g = p.add_argument_group("model and device")
+    g.add_argument("--preset", metavar="MODEL", help="model preset (default: llama-3-8b; tiny for the "
+                                                     "engine target's torch executor)")
+    g.add_argument("--device", metavar="DEVICE", help="device preset for sim, or cpu/cuda/a preset for the "
+                                                      "engine target (default: h100-80gb; cpu for torch)")
+    g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local "
+                                                    "Hugging Face folder")
+    g.add_argument("--executor", choices=("torch", "sim"), default="torch",
+                   help="the engine target's executor (default: %(default)s)")
+    g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                   help="engine target on the CPU: the memory budget (e.g. 2GiB)")
+    add_engine_flags(p)
+    g = p.add_argument_group("live runs")
+    g.add_argument("--users", type=positive_int, default=256, help="most requests in flight (default: %(default)s)")
+    g.add_argument("--workers", type=int, default=0, help="Locust workers (0: one local process)")
+    g.add_argument("--scrape-interval", type=positive_float, default=1.0, metavar="S",
+                   help="seconds between /metrics scrapes (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=positive_float, default=300.0, metavar="S",
+                   help="how long requests may run after the last arrival (default: %(default)s)")
+    g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="how long a started server may take to become healthy (default: %(default)s)")
+    g.add_argument("--vllm-command", default="vllm", help="how to run vLLM (default: %(default)s)")
+    g.add_argument("--sglang-python", default="python3", help="the python that has sglang")
+    g.add_argument("--server-args", default="", help="extra arguments for the vllm or sglang server")
+    add_db_argument(p)
+    p.add_argument("--out", metavar="FILE", help="also write the whole run (requests, series, summary) as JSON")
+    p.add_argument("--json", action="store_true", help="end with the summary as one JSON object")
+    p.set_defaults(func=cmd_run)
+
+
+def build_target(args):
+    """The target the flags name, and the (model, device) labels it runs."""
+    key = f"engine:{args.executor}" if args.target == "engine" else args.target
+    preset, device = DEFAULT_SPECS.get(key, (None, None))
+    preset, device = args.preset or preset, args.device or device
+    options = LiveOptions(users=args.users, workers=args.workers, scrape_interval_s=args.scrape_interval,
+                          drain_timeout_s=args.drain_timeout, device=device or "unknown")
+    if args.target == "sim":
+        return SimTarget(model_preset(preset), device_preset(device)), preset, device
+    if args.target == "engine":
+        if args.executor == "sim":
+            device_preset(device)  # the sim executor needs a device preset: fail early if unknown
+        return EngineTarget(options, args.start_timeout, executor=args.executor, preset=preset, device=device,
+                            model_path=args.model,
+                            device_memory=str(args.device_memory) if args.device_memory else None), \
+            args.model or preset, device
+    if args.target == "vllm":
+        return VllmTarget(options, args.start_timeout, model=args.model or "",
+                          vllm_command=args.vllm_command, extra_args=args.server_args), args.model, device
+    if args.target == "sglang":
+        return SglangTarget(options, args.start_timeout, model=args.model or "", python=args.sglang_python,
+                            extra_args=args.server_args), args.model, device
+    return UrlTarget(args.target, options), None, device
+
+
+def cmd_run(args) -> int:
+    config = config_from_args(args)
+    target, model_label, device = build_target(args)
+    if args.target == "sim":
+        config.resolve(target.model, target.device)  # bad flags fail before any work
+    else:
+        config.validate()
+    store = Store(resolve_db_url(args.db))
+    workload = _workload(args)
+    url_target = isinstance(target, UrlTarget)
+    run_id = store.start_run(target.name, model_label or args.target, device or "unknown",
+                             config=None if url_target else config_dict(config))
+    try:
+        result = target.run(None if url_target else config, workload)
+    except (TargetStartError, TargetRunError) as err:
+        store.mark_run(run_id, "failed", str(err))
+        kind = "cannot start" if isinstance(err, TargetStartError) else "run failed"
+        print(f"error: {target.name}: {kind}: {err}", file=sys.stderr)
+        print(f"failed run {run_id} recorded in {store.display_url}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        store.mark_run(run_id, "failed", "interrupted")
+        raise
+    store.save_run(result, run_id=run_id)
+    if args.out:
+        result.write_json(args.out)
+    print(format_summary(result))
+    print(f"run {run_id} stored in {store.display_url}" + (f", written to {args.out}" if args.out else ""))
+    if args.json:
+        print(json.dumps(result.summary | {"run_id": run_id}))
+    return 0
+
+
+def _workload(args):
+    workload = read_workload(args.workload, format=args.format, skip_bad=args.skip_bad)
+    if args.skip_bad and workload.skipped:
+        print(f"warning: {args.workload}: skipped {workload.skipped} bad records", file=sys.stderr)
+    if args.rate_scale != 1.0:
+        workload = rate_scale(workload, args.rate_scale)
+    if args.head:
+        workload = head(workload, args.head)
+    return workload
+
+
+def format_summary(result: RunResult) -> str:
+    s = result.summary
+
+    def ms(key):
+        value = s.get(key)
+        return f"{'-':>9}" if value is None else f"{value * 1000:9.1f}"
+
+    def pct(value):
+        return "-" if value is None else f"{value:.1%}"
+
+    cfg = result.config
+    live = "server_ttft_p95" in s
+    lines = [
+        f"{result.target}: {result.model} on {result.device}, " + ", ".join(
+            f"{k} {cfg[k]}" for k in ("block_size", "gpu_memory_utilization", "max_num_seqs",
+                                      "max_num_batched_tokens", "kv_cache_dtype") if cfg.get(k) is not None),
+        f"requests        {s['requests']:,} ({s['completed']:,} completed, {s['rejected']:,} rejected, "
+        f"{s['failed']:,} failed) over {s['duration_s']:.1f} s",
+        f"throughput      {s['throughput_rps']:.2f} req/s, {s['output_tok_s']:,.0f} output tok/s, "
+        f"{s['input_tok_s']:,.0f} input tok/s",
+        "latency (ms)         p50       p95       p99" + ("    server p50 p95 p99 (histograms)" if live else ""),
+    ]
+    for name in ("ttft", "tpot", "itl", "e2e", "queue"):
+        row = f"  {name:<10}{ms(name + '_p50')} {ms(name + '_p95')} {ms(name + '_p99')}"
+        if live:
+            row += f"  {ms('server_' + name + '_p50')} {ms('server_' + name + '_p95')} {ms('server_' + name + '_p99')}"
+        lines.append(row)
+    lines += [
+        f"prefix hits     {pct(s['prefix_hit_rate'])} observed, {pct(s['ideal_prefix_hit_rate'])} ideal "
+        "(unbounded cache)",
+        f"preemptions     {s['preemptions']:,}",
+        f"KV usage        peak {pct(s['kv_usage_peak'])}, mean {pct(s['kv_usage_mean'])}; "
+        f"peak running {'-' if s['running_peak'] is None else int(s['running_peak'])}",
+    ]
+    if result.wall_s:
+        lines.append(f"replayed in     {result.wall_s:.1f} s wall")
+    if live and not s.get("load_kept_up", True):
+        lines.append(f"warning: the load generator fell behind the trace (up to {s['max_lateness_s']:.1f} s "
+                     "late): raise --users or --workers, or the run measures a closed loop")
+    lines += [f"warning: {note}" for note in s.get("disagreements", [])]
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""The live targets: start a server with the trial's flags (or watch one), replay, scrape.
+
+Each server kind only differs in the command line that starts it; the run
+itself (Locust replay + /metrics scrape -> RunResult) is `live.run_live`.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from kvengine.config import EngineConfig
+from kvengine.flags import launch_flags
+
+from ..results import RunResult
+from ..workload import Workload
+from .base import TargetStartError
+from .live import LiveOptions, run_live
+from .process import ManagedServer, free_port
+
+SERVED_NAME = "kvtune-target"
+
+
+@dataclass
+class _ServerTarget(ABC):
+    options: LiveOptions = field(default_factory=LiveOptions)
+    start_timeout_s: float = 600.0
+    name = "server"
+
+    @abstractmethod
+    def command(self, config: EngineConfig, port: int) -> list[str]:
+        """The argv that starts this server on 127.0.0.1:port with the config's flags."""
+
+    def run(self, config: EngineConfig, workload: Workload) -> RunResult:
+        port = free_port()
+        server = ManagedServer(self.command(config, port), port, self.start_timeout_s,
+                               env={"OMP_NUM_THREADS": "1"})
+        with server:
+            return run_live(server.url, workload, self.name, self.model_label, config, self.options,
+                            check_alive=server.check_alive)
+
+    @property
+    @abstractmethod
+    def model_label(self) -> str:
+        """What the run records as its model."""
+
+
+@dataclass
+class EngineTarget(_ServerTarget):
+    """The bundled engine: `kvengine serve` with the config's flags."""
+
+    name = "engine"
+    executor: str = "torch"
+    preset: str = "tiny"
+    device: str = "cpu"
+    model_path: str | None = None
+    device_memory: str | None = None
+    python: str = sys.executable
+
+    def command(self, config: EngineConfig, port: int) -> list[str]:
+        cmd = [self.python, "-m", "kvengine", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--executor", self.executor, "--preset", self.preset,
+               "--device", self.device, *launch_flags(config)]
+        if self.model_path:
+            cmd += ["--model", self.model_path]
+        if self.device_memory:
+            cmd += ["--device-memory", self.device_memory]
+        return cmd
+
+    @property
+    def model_label(self) -> str:
+        return self.model_path or self.preset
+
+
+@dataclass
+class VllmTarget(_ServerTarget):
+    """A real `vllm serve`; the flags map one to one."""
+
+    name = "vllm"
+    model: str = ""
+    vllm_command: str = "vllm"  # or e.g. "/opt/vllm-venv/bin/vllm"
+    extra_args: str = ""
+
+    def command(self, config: EngineConfig, port: int) -> list[str]:
+        if not self.model:
+            raise TargetStartError("the vllm target needs a model (a Hugging Face id or a local path)")
+        if config.kv_cache_dtype == "int8":
+            raise TargetStartError("--kv-cache-dtype int8 exists only in kvengine; vLLM takes auto, fp8, "
+                                   "fp8_e4m3 or fp8_e5m2")
+        return [*shlex.split(self.vllm_command), "serve", self.model, "--host", "127.0.0.1",
+                "--port", str(port), "--served-model-name", SERVED_NAME, *launch_flags(config),
+                *shlex.split(self.extra_args)]
+
+    @property
+    def model_label(self) -> str:
+        return self.model
+
+
+SGLANG_KV_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+@dataclass
+class SglangTarget(_ServerTarget):
+    """SGLang's server, with vLLM's knobs mapped onto its flags."""
+
+    name = "sglang"
+    model: str = ""
+    python: str = "python3"
+    extra_args: str = ""
+
+    def command(self, config: EngineConfig, port: int) -> list[str]:
+        if not self.model:
+            raise TargetStartError("the sglang target needs a model (a Hugging Face id or a local path)")
+        if config.kv_cache_dtype not in SGLANG_KV_DTYPES:
+            raise TargetStartError(f"SGLang has no --kv-cache-dtype {config.kv_cache_dtype}; it takes "
+                                   f"{', '.join(SGLANG_KV_DTYPES)}")
+        cmd = [*shlex.split(self.python), "-m", "sglang.launch_server", "--model-path", self.model,
+               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+               "--page-size", str(config.block_size),
+               "--mem-fraction-static", f"{config.gpu_memory_utilization:g}",
+               "--kv-cache-dtype", SGLANG_KV_DTYPES[config.kv_cache_dtype]]
+        if config.max_num_seqs is not None:
+            cmd += ["--max-running-requests", str(config.max_num_seqs)]
+        if config.max_num_batched_tokens is not None:
+            cmd += ["--chunked-prefill-size", str(config.max_num_batched_tokens)]
+        if config.max_model_len is not None:
+            cmd += ["--context-length", str(config.max_model_len)]
+        if not config.enable_prefix_caching:
+            cmd.append("--disable-radix-cache")
+        return cmd + shlex.split(self.extra_args)
+
+    @property
+    def model_label(self) -> str:
+        return self.model
+
+
+@dataclass
+class UrlTarget:
+    """A server that is already running: replay and observe, never restart or reconfigure."""
+
+    url: str
+    options: LiveOptions = field(default_factory=LiveOptions)
+    name = "url"
+
+    def run(self, config: EngineConfig | None, workload: Workload) -> RunResult:
+        return run_live(self.url.rstrip("/"), workload, self.name, None, config, self.options)

@@ -1,0 +1,167 @@
+"""Live runs: Locust replay + /metrics scrape against real servers on 127.0.0.1."""
+import http.server
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from kvengine.config import EngineConfig
+from kvtune.store import Store
+from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunError, TargetStartError,
+                            UrlTarget, VllmTarget)
+from kvtune.workload import TraceRequest, Workload, synthesize, SynthSpec, parse_dist, write_workload
+from serverproc import ServerProcess, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def small_workload(n=40, rate=20.0, seed=3) -> Workload:
+    return synthesize(SynthSpec(num_requests=n, rate=rate, input_len=parse_dist("100-300"),
+                                output_len=parse_dist("8-24"), system_prompts=1, system_prompt_len=128,
+                                seed=seed))
+
+
+def kvtune(*args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout)
+
+
+def test_kvtune_run_engine_sim_end_to_end(tmp_path):
+    """Client samples, the server's counters and the store agree on what was sent."""
+    trace = tmp_path / "t.jsonl"
+    workload = small_workload()
+    write_workload(workload, str(trace))
+    db = f"sqlite:///{tmp_path}/runs.db"
+    p = kvtune("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb",
+               "--workload", str(trace), "--users", "64", "--max-num-seqs", "32", "--db", db, "--json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    n = len(workload)
+    assert s["completed"] == n and s["failed"] == 0
+    sent_prompt = sum(r.input_length for r in workload.requests)
+    sent_output = sum(r.output_length for r in workload.requests)
+    assert s["server_prompt_tokens"] == sent_prompt
+    assert s["server_generation_tokens"] == sent_output
+    assert s["server_ttft_count"] == n and s["server_e2e_count"] == n
+    assert s["prefix_hit_rate"] == pytest.approx(s["ideal_prefix_hit_rate"], abs=0.02)
+    assert "server p50 p95 p99" in p.stdout and "ttft" in p.stdout
+    stored = Store(db).load_run(s["run_id"])
+    assert len(stored.requests) == n and sum(r.output_tokens for r in stored.requests) == sent_output
+    assert stored.target == "engine" and stored.config["max_num_seqs"] == 32
+    # On an L4 the TTFTs are long enough that the client's own overhead hides in bucket resolution.
+    assert not any(d.startswith("ttft") for d in s["disagreements"]), s["disagreements"]
+
+
+def test_distributed_locust_loses_and_duplicates_nothing():
+    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb")
+    try:
+        workload = small_workload(n=50, rate=40.0)
+        result = UrlTarget(server.url, LiveOptions(users=16, workers=2, drain_timeout_s=60)).run(None, workload)
+    finally:
+        server.stop()
+    ids = [r.request_id for r in result.requests]
+    assert ids == [str(i) for i in range(50)]
+    assert result.summary["completed"] == 50
+    assert result.summary["server_e2e_count"] == 50
+    assert result.config["block_size"] == 16 and result.config["num_gpu_blocks"] > 0  # from cache_config_info
+
+
+def test_vllm_and_sglang_command_lines():
+    cfg = EngineConfig(block_size=32, gpu_memory_utilization=0.9, max_num_seqs=128, max_num_batched_tokens=4096,
+                       kv_cache_dtype="fp8", enable_prefix_caching=False, max_model_len=8192)
+    vllm = VllmTarget(model="meta-llama/Meta-Llama-3-8B-Instruct", vllm_command="/opt/venv/bin/vllm")
+    assert vllm.command(cfg, 8100) == [
+        "/opt/venv/bin/vllm", "serve", "meta-llama/Meta-Llama-3-8B-Instruct", "--host", "127.0.0.1",
+        "--port", "8100", "--served-model-name", "kvtune-target", "--block-size", "32",
+        "--gpu-memory-utilization", "0.9", "--kv-cache-dtype", "fp8", "--max-num-seqs", "128",
+        "--max-num-batched-tokens", "4096", "--max-model-len", "8192", "--no-enable-prefix-caching"]
+    sglang = SglangTarget(model="Qwen/Qwen2.5-7B-Instruct", python="/opt/sg/bin/python")
+    assert sglang.command(cfg, 30000) == [
+        "/opt/sg/bin/python", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-7B-Instruct",
+        "--host", "127.0.0.1", "--port", "30000", "--served-model-name", "kvtune-target", "--page-size", "32",
+        "--mem-fraction-static", "0.9", "--kv-cache-dtype", "fp8_e4m3", "--max-running-requests", "128",
+        "--chunked-prefill-size", "4096", "--context-length", "8192", "--disable-radix-cache"]
+    with pytest.raises(TargetStartError, match="int8"):
+        vllm.command(EngineConfig(kv_cache_dtype="int8"), 8100)
+
+
+def test_engine_that_cannot_start_is_a_failed_run(tmp_path):
+    db = f"sqlite:///{tmp_path}/runs.db"
+    trace = tmp_path / "t.jsonl"
+    write_workload(small_workload(n=5), str(trace))
+    # llama-3-8b cannot fit an L4 at half its memory: the server exits at start-up.
+    p = kvtune("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb",
+               "--gpu-memory-utilization", "0.5", "--workload", str(trace), "--db", db)
+    assert p.returncode == 1 and "cannot start" in p.stderr and "do not fit" in p.stderr
+    (run,) = Store(db).list_runs()
+    assert run.status == "failed" and "do not fit" in run.error
+
+
+def test_refused_url_gives_a_clear_error(tmp_path):
+    with pytest.raises(TargetRunError, match=r"cannot connect to http://127.0.0.1:\d+"):
+        UrlTarget(f"http://127.0.0.1:{free_port()}").run(None, small_workload(n=3))
+
+
+def test_server_killed_mid_run_fails_the_run():
+    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb")
+    workload = small_workload(n=40, rate=4.0)  # ~10 s of arrivals
+    killer = threading.Timer(2.0, server.proc.kill)
+    killer.start()
+    try:
+        with pytest.raises(TargetRunError, match="stopped answering|requests failed"):
+            UrlTarget(server.url, LiveOptions(users=16, drain_timeout_s=20)).run(None, workload)
+    finally:
+        killer.cancel()
+        server.stop()
+
+
+class _Failing(http.server.BaseHTTPRequestHandler):
+    """A server that names a model and then answers every completion with 500."""
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "broken"}]})
+        elif self.path == "/health":
+            self._send(200, {})
+        else:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._send(500, {"error": {"message": "boom", "type": "InternalServerError", "param": None, "code": 500}})
+
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_server_answering_500s_fails_the_run():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        with pytest.raises(TargetRunError, match="all 5 requests failed; the first: HTTP 500"):
+            UrlTarget(url, LiveOptions(users=4, drain_timeout_s=20)).run(None, small_workload(n=5))
+    finally:
+        httpd.shutdown()
+
+
+def test_engine_target_stops_its_server():
+    target = EngineTarget(LiveOptions(users=8, drain_timeout_s=30), executor="sim", preset="llama-3-8b",
+                          device="h100-80gb")
+    result = target.run(EngineConfig(), Workload([TraceRequest(0.0, 50, 4), TraceRequest(0.1, 60, 4)]))
+    assert result.summary["completed"] == 2
+    leftover = subprocess.run(["pgrep", "-f", "kvengine serve --host 127.0.0.1 --port"], capture_output=True)
+    assert leftover.stdout.strip() == b"", "a kvengine server outlived its run"
