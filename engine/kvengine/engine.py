@@ -28,7 +28,8 @@ class StepLog:
     num_preemptions: list[int] = field(default_factory=list)
     prefix_queries: list[int] = field(default_factory=list)  # tokens, new requests only
     prefix_hits: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # computed this step: prefill chunks + decodes
+    generation_tokens: list[int] = field(default_factory=list)  # sampled this step
     num_seqs: list[int] = field(default_factory=list)
     context_tokens: list[int] = field(default_factory=list)  # K/V tokens the step read
 
@@ -154,10 +155,10 @@ class LLMEngine:
             req.finish_time = now
         self.finished.extend(finished)
         if self.record_steps:
-            self._log_step(out, now, now - start)
+            self._log_step(out, now, now - start, len(new_tokens))
         return StepResult(new_tokens, finished, out.preempted)
 
-    def _log_step(self, out, now: float, duration: float) -> None:
+    def _log_step(self, out, now: float, duration: float, generated: int) -> None:
         s, sched, stats = self.steps, self.scheduler, self.kv.prefix_stats
         queries, hits = self._prefix_seen
         self._prefix_seen = (stats.queries, stats.hits)
@@ -170,6 +171,7 @@ class LLMEngine:
         s.prefix_queries.append(stats.queries - queries)
         s.prefix_hits.append(stats.hits - hits)
         s.num_tokens.append(out.total_tokens)
+        s.generation_tokens.append(generated)
         s.num_seqs.append(len(out.scheduled))
         s.context_tokens.append(out.context_tokens)
 

@@ -107,7 +107,7 @@ class PagedKVCache:
         for i, x in enumerate((k, v)):
             dst = self.raw[layer, i].view(self.num_kv_heads, -1, self.head_dim)
             if not self.quantized:
-                dst.index_copy_(1, slots, x.transpose(0, 1).to(self.dtype))
+                dst.index_copy_(1, slots, x.transpose(0, 1))
                 continue
             q, scale = self._quantize(x)
             dst.index_copy_(1, slots, q.transpose(0, 1))
