@@ -10,6 +10,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 from kvengine.config import ConfigError  # noqa: E402
 
 from .run_cmd import add_run_command  # noqa: E402
+from .search.cli import add_search_command  # noqa: E402
+from .search.space import SpaceError  # noqa: E402
+from .search.study import StudyError  # noqa: E402
 from .store import StoreError  # noqa: E402
 from .workload import TraceError, add_trace_commands  # noqa: E402
 
@@ -20,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_trace_commands(sub)
     add_run_command(sub)
+    add_search_command(sub)
     return parser
 
 
@@ -27,7 +31,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, TraceError, StoreError) as err:
+    except (ConfigError, TraceError, StoreError, SpaceError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

@@ -1,0 +1,229 @@
+"""`kvtune search`: the main job. Stage 1 on the sim target, stage 2 on a live one."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from kvengine.config import EngineConfig, device_preset, model_preset
+
+from ..store import Store, add_db_argument, resolve_db_url
+from ..targets import EngineTarget, LiveOptions, SglangTarget, SimTarget, VllmTarget
+from ..workload import FORMATS, head, read_workload
+from ..workload.cli import positive_float, positive_int
+from .objective import OBJECTIVES, Objective
+from .slo import parse_slo
+from .space import load_space
+from .stage2 import DEFAULT_NUMBER, Candidate, default_params, representable, run_stage2
+from .study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
+
+LIVE_TARGETS = ("engine", "vllm", "sglang", "none")
+
+
+def add_search_command(sub) -> None:
+    p = sub.add_parser(
+        "search", help="find the KV-cache config that serves a workload best within its SLOs",
+        description="Search block_size, gpu_memory_utilization, max_num_seqs and kv_cache_dtype (and "
+                    "optionally max_num_batched_tokens, enable_prefix_caching) with Optuna: stage 1 on the "
+                    "sim target, stage 2 re-runs the top configs and vLLM's default on a live target. Ends "
+                    "with a report and the exact launch command.")
+    p.add_argument("--workload", required=True, metavar="FILE", help="the trace of your traffic")
+    p.add_argument("--format", choices=FORMATS, help="trace format (default: detected)")
+    p.add_argument("--slo", action="append", default=[], metavar="METRIC_pPCT=VALUE",
+                   help="e.g. ttft_p95=500ms, tpot_p95=50ms, e2e_p99=10s (repeatable)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="goodput",
+                   help="goodput (req/s meeting every SLO), throughput, multi (throughput vs --latency), "
+                        "capacity (highest rate scale within the SLOs) (default: %(default)s)")
+    p.add_argument("--latency", default="ttft_p95", help="the multi objective's latency axis (default: %(default)s)")
+    p.add_argument("--trials", type=positive_int, default=200, help="stage-1 trials in the study (default: %(default)s)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampler seed (default: %(default)s)")
+    p.add_argument("--space", action="append", default=[], metavar="KNOB=VALUES",
+                   help="override a knob's range: block_size=16,32 or max_num_seqs=32:512:log or "
+                        "gpu_memory_utilization=0.85:0.95:0.01 (repeatable)")
+    p.add_argument("--space-file", metavar="YAML", help="the search space as YAML (knob: list or {low, high, step, log})")
+    p.add_argument("--search-batched-tokens", action="store_true", help="also search max_num_batched_tokens")
+    p.add_argument("--search-prefix-caching", action="store_true", help="also search enable_prefix_caching")
+    g = p.add_argument_group("the model and device of stage 1")
+    g.add_argument("--preset", default="llama-3-8b", help="model preset (default: %(default)s)")
+    g.add_argument("--device", default="h100-80gb", help="device preset (default: %(default)s)")
+    g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
+    g = p.add_argument_group("stage 2")
+    g.add_argument("--target", choices=LIVE_TARGETS, default="engine",
+                   help="where to re-run the best configs; none skips stage 2 (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=3, help="configs re-run live, besides the default (default: %(default)s)")
+    g.add_argument("--executor", choices=("sim", "torch"), default="sim",
+                   help="the engine target's executor: sim serves the same simulated device in wall-clock "
+                        "time (default: %(default)s)")
+    g.add_argument("--model", help="vllm/sglang: the model to serve")
+    g.add_argument("--vllm-command", default="vllm")
+    g.add_argument("--sglang-python", default="python3")
+    g.add_argument("--live-head", type=positive_int, metavar="N", help="stage 2 replays only the first N requests")
+    g.add_argument("--users", type=positive_int, default=256, help="most requests in flight in stage 2")
+    g.add_argument("--workers", type=int, default=0, help="Locust workers in stage 2 (0: one process)")
+    g = p.add_argument_group("storage and output")
+    add_db_argument(g)
+    g.add_argument("--study", help="study name: resume it, or share it with other kvtune search processes "
+                                   "(default: a new name from the workload and the time)")
+    g.add_argument("--heartbeat", type=positive_float, default=30.0, metavar="S",
+                   help="trial heartbeat; trials of a killed process fail after 3x this (default: %(default)s)")
+    g.add_argument("--report-dir", metavar="DIR", help="where the report goes (default: reports/<study>/)")
+    g.add_argument("--no-report", action="store_true", help="do not write the report")
+    g.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    p.set_defaults(func=cmd_search)
+
+
+def _study_name(args) -> str:
+    from pathlib import Path
+    return args.study or f"{Path(args.workload).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def cmd_search(args) -> int:
+    try:
+        slos = tuple(parse_slo(s) for s in args.slo)
+        objective = Objective(args.objective, slos, latency=args.latency)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    optional = tuple(name for name, on in (("max_num_batched_tokens", args.search_batched_tokens),
+                                           ("enable_prefix_caching", args.search_prefix_caching)) if on)
+    space = load_space(args.space_file, args.space, optional)
+    model, device = model_preset(args.preset), device_preset(args.device)
+    base = EngineConfig(max_model_len=args.max_model_len)
+    default = base.resolve(model, device)
+    workload = read_workload(args.workload, format=args.format)
+    db_url = resolve_db_url(args.db)
+    store = Store(db_url)
+    name = _study_name(args)
+    attrs = {"workload": args.workload, "preset": args.preset, "device": args.device,
+             "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
+             "latency": args.latency}
+    study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
+    sim = SimTarget(model, device)
+    stage1 = Stage1(study, space, base, objective, sim.run, workload, store, args.trials)
+    dflt = default_params(space, default)
+    if representable(space, dflt):
+        stage1.enqueue(dflt)
+    print(f"study {name!r} in {store.display_url}: {args.trials} stage-1 trials of {args.preset} on "
+          f"{args.device}, objective {objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
+    with _progress(args.trials) as on_trial:
+        stage1.on_trial = on_trial
+        stage1.optimize()
+    ranked = ranked_trials(study, objective)
+    if not ranked:
+        print("error: no stage-1 trial completed; see the failed trials' reasons above", file=sys.stderr)
+        return 1
+    feasible = [t for t in ranked if is_feasible(t)]
+    if slos and not feasible:
+        print(_nothing_feasible(ranked[0], slos))
+    outcomes = []
+    if args.target != "none":
+        candidates = [Candidate("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
+                      for t in ranked[:args.top_k]]
+        if all(c.label != "default" for c in candidates):
+            dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
+            candidates.append(Candidate("default", dnum, dflt))
+        live_target = _live_target(args)
+        live_workload = head(workload, args.live_head) if args.live_head else workload
+        print(f"stage 2: {len(candidates)} configs on the {args.target} target "
+              f"({len(live_workload)} requests over {live_workload.duration_s:.0f} s each)")
+        outcomes = run_stage2(live_target.run, candidates, space, base, live_workload, objective, store, name,
+                              on_result=lambda o: print(f"  {o.candidate.label}: " + (
+                                  f"failed: {o.error}" if o.error else _score_text(o.score))))
+    print(_final_table(ranked[:max(args.top_k, 1)], outcomes, objective))
+    report = None
+    if not args.no_report:
+        from ..report import write_report
+        md, html = write_report(db_url, name, args.report_dir or f"reports/{name}")
+        report = str(md)
+        print(f"report: {md} and {html}")
+    if args.json:
+        best = ranked[0]
+        print(json.dumps({"study": name, "feasible": bool(feasible), "best_trial": best.number,
+                          "best_params": best.params, "best_values": best.values, "report": report,
+                          "live": [{"label": o.candidate.label, "values": o.values, "error": o.error,
+                                    "feasible": o.score.feasible if o.score else None} for o in outcomes]}))
+    return 0
+
+
+class _progress:
+    """A rich progress bar on a terminal; a line every tenth of the trials otherwise."""
+
+    def __init__(self, total: int):
+        self.total = total
+
+    def __enter__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.progress = Progress(TextColumn("stage 1"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.description}"), disable=not sys.stdout.isatty())
+        self.progress.__enter__()
+        self.task = self.progress.add_task("", total=self.total)
+        self.done = 0
+
+        def on_trial(record):
+            self.done += 1
+            state = "failed" if record.state == "FAIL" else ("ok" if record.feasible else "infeasible")
+            self.progress.update(self.task, advance=1, description=f"trial {record.number} {state}")
+            if self.progress.disable and (self.done % max(1, self.total // 10) == 0 or record.state == "FAIL"):
+                reason = f": {record.reason}" if record.reason else ""
+                print(f"  trial {record.number}: {state}{reason} ({self.done} run by this process)", flush=True)
+        return on_trial
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+
+def _live_target(args):
+    options = LiveOptions(users=args.users, workers=args.workers, device=args.device)
+    if args.target == "engine":
+        preset, device = (args.preset, args.device) if args.executor == "sim" else ("tiny", "cpu")
+        return EngineTarget(options, executor=args.executor, preset=preset, device=device)
+    if args.target == "vllm":
+        return VllmTarget(options, model=args.model or "", vllm_command=args.vllm_command)
+    return SglangTarget(options, model=args.model or "", python=args.sglang_python)
+
+
+def _knob_text(knob) -> str:
+    if knob.choices is not None:
+        return ",".join(map(str, knob.choices))
+    return f"{knob.low:g}:{knob.high:g}" + (":log" if knob.log else f":{knob.step:g}" if knob.step else "")
+
+
+def _score_text(sc) -> str:
+    obs = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sc.observed.items() if v is not None)
+    return (f"goodput {sc.goodput_rps:.2f} req/s, throughput {sc.throughput_rps:.2f} req/s"
+            + (f", {obs}" if obs else "") + ("" if sc.feasible else " (misses SLOs)"))
+
+
+def _nothing_feasible(closest, slos) -> str:
+    misses = []
+    for slo in slos:
+        observed = closest.user_attrs.get(f"observed_{slo.name}")
+        if observed is not None and observed > slo.threshold_s:
+            misses.append(f"{slo.name} {observed * 1000:.0f} ms vs {slo.threshold_s * 1000:g} ms")
+    return (f"no configuration met the SLOs; the closest, trial {closest.number} ({_params_text(closest.params)}), "
+            f"misses {'; '.join(misses) or 'them'}. The report's diagnoses say why.")
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in params.items())
+
+
+def _final_table(top, outcomes, objective: Objective) -> str:
+    live = {o.candidate.number: o for o in outcomes}
+    unit = "" if objective.kind == "capacity" else " req/s"
+    lines = [f"{'trial':>6}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>5}  {'sim value':>12}  {'live value':>12}  feasible"]
+    rows = [(t.number, t.params, t.values[0], is_feasible(t)) for t in top]
+    rows += [(o.candidate.number, o.candidate.params, None, None) for o in outcomes
+             if o.candidate.label == "default" and o.candidate.number not in {t.number for t in top}]
+    for number, params, sim_value, feasible in rows:
+        o = live.get(number)
+        live_value = "-" if o is None else ("failed" if o.error else f"{o.values[0]:.2f}{unit}")
+        feas = feasible if o is None or o.score is None else o.score.feasible
+        label = "default" if o is not None and o.candidate.label == "default" else str(number)
+        lines.append(f"{label:>6}  {params.get('block_size', '-'):>5} {params.get('gpu_memory_utilization', 0):>5.2f} "
+                     f"{params.get('max_num_seqs', '-'):>5} {params.get('kv_cache_dtype', '-'):>5}  "
+                     f"{'-' if sim_value is None else f'{sim_value:.2f}{unit}':>12}  {live_value:>12}  "
+                     f"{'-' if feas is None else ('yes' if feas else 'no')}")
+    return "\n".join(lines)
+

@@ -1,0 +1,215 @@
+"""The search space: which KV-cache knobs vary, over which values.
+
+Defaults follow what `vllm serve` accepts: block sizes that every attention
+backend takes (multiples of 16), utilisation up to 0.95, fp8 as the KV dtype
+vLLM offers besides the model's own. From flags (`--space
+max_num_seqs=32:512:log`) or a YAML file:
+
+    block_size: [16, 32, 64]
+    gpu_memory_utilization: {low: 0.85, high: 0.95, step: 0.01}
+    max_num_seqs: {low: 32, high: 512, log: true}
+    kv_cache_dtype: [auto, fp8]
+    max_num_batched_tokens: [4096, 8192]     # optional knob
+    enable_prefix_caching: [true, false]     # optional knob
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+import yaml
+
+from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, ConfigError, EngineConfig
+
+KNOBS = ("block_size", "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype",
+         "max_num_batched_tokens", "enable_prefix_caching")
+
+
+class SpaceError(ValueError):
+    """A search-space definition that cannot be used; the message names the knob."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    choices: tuple | None = None  # categorical
+    low: float | None = None  # numeric range
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+
+    @property
+    def is_int(self) -> bool:
+        return self.name in ("max_num_seqs", "max_num_batched_tokens", "block_size")
+
+    def suggest(self, trial):
+        if self.choices is not None:
+            return trial.suggest_categorical(self.name, list(self.choices))
+        if self.is_int:
+            return trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log,
+                                     step=1 if self.log else int(self.step or 1))
+        return trial.suggest_float(self.name, self.low, self.high, log=self.log,
+                                   step=None if self.log else self.step)
+
+    def grid(self, levels: int = 8) -> list:
+        """Every value of a categorical knob; `levels` evenly (or log-) spaced values of a range."""
+        if self.choices is not None:
+            return list(self.choices)
+        if self.step and not self.log:
+            n = int(round((self.high - self.low) / self.step)) + 1
+            values = [self.low + i * self.step for i in range(n)]
+        elif self.log:
+            ratio = (self.high / self.low) ** (1 / max(levels - 1, 1))
+            values = [self.low * ratio ** i for i in range(levels)]
+        else:
+            values = [self.low + (self.high - self.low) * i / max(levels - 1, 1) for i in range(levels)]
+        return sorted({int(round(v)) if self.is_int else round(v, 6) for v in values})
+
+
+DEFAULT_KNOBS = {
+    "block_size": Knob("block_size", choices=(16, 32, 64, 128)),
+    "gpu_memory_utilization": Knob("gpu_memory_utilization", low=0.80, high=0.95, step=0.01),
+    "max_num_seqs": Knob("max_num_seqs", low=16, high=1024, log=True),
+    "kv_cache_dtype": Knob("kv_cache_dtype", choices=("auto", "fp8")),
+}
+OPTIONAL_KNOBS = {
+    "max_num_batched_tokens": Knob("max_num_batched_tokens", choices=(2048, 4096, 8192, 16384)),
+    "enable_prefix_caching": Knob("enable_prefix_caching", choices=(True, False)),
+}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    knobs: tuple[Knob, ...]
+
+    @classmethod
+    def default(cls, optional: tuple[str, ...] = ()) -> "SearchSpace":
+        return cls(tuple(DEFAULT_KNOBS.values()) + tuple(OPTIONAL_KNOBS[name] for name in optional))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.knobs)
+
+    def suggest(self, trial) -> dict:
+        return {k.name: k.suggest(trial) for k in self.knobs}
+
+    def grid(self, levels: int = 8) -> list[dict]:
+        names = self.names
+        return [dict(zip(names, combo)) for combo in itertools.product(*(k.grid(levels) for k in self.knobs))]
+
+    def with_knobs(self, knobs: dict[str, Knob]) -> "SearchSpace":
+        current = {k.name: k for k in self.knobs} | knobs
+        return SearchSpace(tuple(current[name] for name in KNOBS if name in current))
+
+    def config(self, params: dict, base: EngineConfig) -> EngineConfig:
+        """The engine config a trial's parameters describe (the rest from `base`)."""
+        return dataclasses.replace(base, **params)
+
+
+def parse_knob(name: str, spec) -> Knob:
+    """A knob from YAML (a list, or {low, high, step, log}) or a flag value ('16,32' or 'lo:hi[:step|log]')."""
+    if name not in KNOBS:
+        raise SpaceError(f"unknown knob {name!r}; the space can vary {', '.join(KNOBS)}")
+    if isinstance(spec, str):
+        spec = _spec_from_text(name, spec)
+    if isinstance(spec, list):
+        choices = tuple(_coerce(name, v) for v in spec)
+        if not choices:
+            raise SpaceError(f"{name}: no values given")
+        _check_values(name, choices)
+        return Knob(name, choices=choices)
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"low", "high", "step", "log"}
+        if unknown or "low" not in spec or "high" not in spec:
+            raise SpaceError(f"{name}: a range needs low and high (and optionally step, log); got {spec}")
+        knob = Knob(name, low=float(spec["low"]), high=float(spec["high"]),
+                    step=None if spec.get("step") is None else float(spec["step"]), log=bool(spec.get("log")))
+        if not knob.low < knob.high or (knob.log and knob.low <= 0):
+            raise SpaceError(f"{name}: need 0 < low < high for a range, got low={knob.low}, high={knob.high}")
+        _check_values(name, (knob.low, knob.high))
+        return knob
+    raise SpaceError(f"{name}: expected a list of values or a range {{low, high}}, got {spec!r}")
+
+
+def _spec_from_text(name: str, text: str):
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise SpaceError(f"--space {name}={text}: a range is low:high[:step|log]")
+        spec = {"low": parts[0], "high": parts[1]}
+        if len(parts) == 3:
+            spec.update({"log": True} if parts[2] == "log" else {"step": parts[2]})
+        try:
+            return {k: (v if k == "log" else float(v)) for k, v in spec.items()}
+        except ValueError:
+            raise SpaceError(f"--space {name}={text}: low, high and step must be numbers") from None
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _coerce(name: str, value):
+    if name == "kv_cache_dtype":
+        return str(value)
+    if name == "enable_prefix_caching":
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "on", "1", "yes"):
+            return True
+        if str(value).lower() in ("false", "off", "0", "no"):
+            return False
+        raise SpaceError(f"enable_prefix_caching: expected true or false, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise SpaceError(f"{name}: expected a number, got {value!r}") from None
+    if name == "gpu_memory_utilization":
+        return number
+    if number != int(number):
+        raise SpaceError(f"{name}: expected an integer, got {value!r}")
+    return int(number)
+
+
+def _check_values(name: str, values) -> None:
+    if name == "block_size" and any(v not in BLOCK_SIZES for v in values):
+        raise SpaceError(f"block_size: values must be among {', '.join(map(str, BLOCK_SIZES))}, got {list(values)}")
+    if name == "kv_cache_dtype" and any(v not in KV_CACHE_DTYPES for v in values):
+        raise SpaceError(f"kv_cache_dtype: values must be among {', '.join(KV_CACHE_DTYPES)}, got {list(values)}")
+    if name == "gpu_memory_utilization" and any(not 0 < v <= 1 for v in values):
+        raise SpaceError(f"gpu_memory_utilization: values must be in (0, 1], got {list(values)}")
+    if name in ("max_num_seqs", "max_num_batched_tokens") and any(v < 1 or math.isinf(v) for v in values):
+        raise SpaceError(f"{name}: values must be positive integers, got {list(values)}")
+
+
+def load_space(path: str | None, flags: list[str], optional: tuple[str, ...] = ()) -> SearchSpace:
+    """The default space, then a YAML file's knobs, then --space flags (later wins)."""
+    space = SearchSpace.default(optional)
+    if path:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as err:
+            raise SpaceError(f"--space-file {path}: {err.strerror}") from None
+        except yaml.YAMLError as err:
+            raise SpaceError(f"--space-file {path}: not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise SpaceError(f"--space-file {path}: expected a mapping of knob: values")
+        try:
+            space = space.with_knobs({name: parse_knob(name, spec) for name, spec in data.items()})
+        except SpaceError as err:
+            raise SpaceError(f"--space-file {path}: {err}") from None
+    for flag in flags:
+        name, sep, spec = flag.partition("=")
+        if not sep or not spec:
+            raise SpaceError(f"--space {flag}: expected knob=values, e.g. block_size=16,32 or max_num_seqs=32:512:log")
+        space = space.with_knobs({name.strip(): parse_knob(name.strip(), spec)})
+    return space
+
+
+def check_config(config: EngineConfig) -> str | None:
+    """Why a point of the space is not a valid config (e.g. batched tokens < seqs), or None."""
+    try:
+        config.validate()
+    except ConfigError as err:
+        return str(err)
+    return None

@@ -1,0 +1,201 @@
+"""The Optuna study: RDB storage shared with the run store, samplers, and the
+stage-1 trial loop that several processes can run on one study at once."""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import optuna
+from optuna.trial import TrialState
+
+from kvengine.config import EngineConfig
+
+from ..store import Store
+from ..targets import TargetRunError, TargetStartError
+from .objective import Objective
+from .space import SearchSpace, check_config
+
+SAMPLERS = ("tpe", "gp", "random")
+FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+
+optuna.logging.set_verbosity(optuna.logging.ERROR)  # we report failed trials ourselves
+
+
+class StudyError(ValueError):
+    """A study that cannot be opened or resumed as asked."""
+
+
+class TrialFailed(Exception):
+    """Ends a trial as FAIL (its reason is in the trial's user attributes), not the search."""
+
+
+def open_storage(db_url: str, heartbeat_s: float = 30.0) -> optuna.storages.RDBStorage:
+    """Optuna's tables beside the run store's, in the same database.
+
+    A heartbeat lets a resumed search fail the trials a killed process left RUNNING."""
+    engine_kwargs = {"connect_args": {"timeout": 60}} if db_url.startswith("sqlite") else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
+                                          heartbeat_interval=int(max(1, heartbeat_s)),
+                                          grace_period=int(max(3, 3 * heartbeat_s)))
+
+
+def make_sampler(name: str, seed: int | None, multi: bool) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        return optuna.samplers.TPESampler(seed=seed)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise StudyError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {name!r}")
+
+
+def open_study(storage, name: str, objective: Objective, sampler: str, seed: int | None,
+               attrs: dict) -> optuna.Study:
+    """Create the study, or resume it if it exists (the objective must match)."""
+    study = optuna.create_study(study_name=name, storage=storage, directions=objective.directions,
+                                sampler=make_sampler(sampler, seed, len(objective.directions) > 1),
+                                load_if_exists=True)
+    existing = study.user_attrs.get("objective")
+    if existing is not None:
+        for key, wanted in (("objective", objective.kind), ("slos", attrs.get("slos")),
+                            ("workload", attrs.get("workload")), ("preset", attrs.get("preset")),
+                            ("device", attrs.get("device"))):
+            if study.user_attrs.get(key) != wanted:
+                raise StudyError(f"study {name!r} was created with {key} {study.user_attrs.get(key)!r}, not "
+                                 f"{wanted!r}: its trials would not compare; resume it with the same settings "
+                                 "or choose another --study name")
+    else:
+        for key, value in (attrs | {"objective": objective.kind}).items():
+            study.set_user_attr(key, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    return study
+
+
+def count_taken(study: optuna.Study) -> int:
+    """Trials that count towards the requested number: finished, or running right now."""
+    trials = study.get_trials(deepcopy=False, states=FINISHED + (TrialState.RUNNING,))
+    return sum(1 for t in trials if not t.user_attrs.get("surplus"))
+
+
+@dataclass
+class TrialRecord:
+    number: int
+    params: dict
+    state: str
+    values: list[float] | None = None
+    run_id: int | None = None
+    reason: str | None = None
+    duplicate_of: int | None = None
+    feasible: bool | None = None
+
+
+class Stage1:
+    """Runs trials until the study holds `n_trials` of them, whoever ran them."""
+
+    def __init__(self, study: optuna.Study, space: SearchSpace, base: EngineConfig, objective: Objective,
+                 run, workload, store: Store, n_trials: int, on_trial=None):
+        self.study, self.space, self.base, self.objective = study, space, base, objective
+        self.run, self.workload, self.store, self.n_trials = run, workload, store, n_trials
+        self.on_trial = on_trial or (lambda record: None)
+
+    def enqueue(self, params: dict) -> None:
+        """A config to try first (vLLM's defaults), once per study."""
+        self.study.enqueue_trial(params, skip_if_exists=True)
+
+    def optimize(self) -> None:
+        """Optuna's own loop (so the storage heartbeat runs), stopped once the study is full."""
+        if count_taken(self.study) >= self.n_trials:
+            return
+
+        def stop_when_full(study, _trial):
+            if count_taken(study) >= self.n_trials:
+                study.stop()
+
+        self.study.optimize(self._objective, callbacks=[stop_when_full], catch=(TrialFailed,),
+                            gc_after_trial=False)
+
+    def _objective(self, trial: optuna.Trial):
+        if trial.number - self._surplus_before(trial.number) >= self.n_trials:
+            trial.set_user_attr("surplus", True)  # another process took the last slot
+            self.study.stop()
+            raise TrialFailed("surplus")
+        record = self._run_trial(trial)
+        self.on_trial(record)
+        if record.state == "FAIL":
+            raise TrialFailed(record.reason)
+        return record.values
+
+    def _surplus_before(self, number: int) -> int:
+        return sum(1 for t in self.study.get_trials(deepcopy=False)
+                   if t.number < number and t.user_attrs.get("surplus"))
+
+    def _run_trial(self, trial: optuna.Trial) -> TrialRecord:
+        params = self.space.suggest(trial)
+        twin = self._completed_twin(params, trial.number)
+        if twin is not None:  # same point again: reuse its measurement, do not pay for it twice
+            for name, value in (twin.constraints or {}).items():
+                trial.set_constraint(name, value)
+            trial.set_user_attr("duplicate_of", twin.number)
+            for key, value in twin.user_attrs.items():
+                if key not in ("duplicate_of", "fail_reason"):
+                    trial.set_user_attr(key, value)
+            return TrialRecord(trial.number, params, "COMPLETE", list(twin.values), twin.user_attrs.get("run_id"),
+                               duplicate_of=twin.number, feasible=_feasible(twin.constraints))
+        config = self.space.config(params, self.base)
+        invalid = check_config(config)
+        if invalid:
+            return self._fail(trial, params, f"invalid config: {invalid}")
+        try:
+            values, sc, result = self.objective.evaluate(self.run, config, self.workload)
+        except (TargetStartError, TargetRunError) as err:
+            return self._fail(trial, params, str(err))
+        for name, value in sc.violations.items():
+            trial.set_constraint(name, value)
+        run_id = self.store.save_run(result, study=self.study.study_name, trial=trial.number)
+        attrs = {"run_id": run_id, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
+                 **{f"observed_{k}": v for k, v in sc.observed.items()}}
+        for key, value in attrs.items():
+            trial.set_user_attr(key, value)
+        self.store.save_trial(self.study.study_name, trial.number, "sim", "COMPLETE", params, values=values,
+                              constraints=sc.violations, run_id=run_id)
+        return TrialRecord(trial.number, params, "COMPLETE", values, run_id, feasible=sc.feasible)
+
+    def _completed_twin(self, params: dict, number: int):
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.number != number and t.params == params:
+                return t
+        return None
+
+    def _fail(self, trial, params: dict, reason: str) -> TrialRecord:
+        trial.set_user_attr("fail_reason", reason)
+        self.store.save_trial(self.study.study_name, trial.number, "sim", "FAIL", params, reason=reason)
+        logging.getLogger("kvtune.search").info("trial %d failed: %s", trial.number, reason)
+        return TrialRecord(trial.number, params, "FAIL", reason=reason)
+
+
+def _feasible(constraints: dict | None) -> bool:
+    return all(v <= 0 for v in (constraints or {}).values())
+
+
+def ranked_trials(study: optuna.Study, objective: Objective) -> list:
+    """Completed stage-1 trials, best first: feasible before infeasible, then by the objective
+    (multi: the Pareto front first, by throughput). Duplicates appear once."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if "duplicate_of" not in t.user_attrs]
+    if objective.kind == "multi":
+        front = {t.number for t in study.best_trials}
+        return sorted(done, key=lambda t: (not _feasible(t.constraints), t.number not in front, -t.values[0]))
+    return sorted(done, key=lambda t: (not _feasible(t.constraints), -t.values[0], _violation(t)))
+
+
+def _violation(trial) -> float:
+    return sum(max(v, 0.0) for v in (trial.constraints or {}).values())
+
+
+def is_feasible(trial) -> bool:
+    return _feasible(trial.constraints)
