@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(VPY) benchmarks/replay_speed.py
 	$(VPY) benchmarks/vllm_parity.py --scenario hot256
 	$(VPY) benchmarks/vllm_parity.py --scenario tight
+	$(VPY) benchmarks/engine_vs_hf.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -18,7 +18,9 @@ The quantized types keep one float32 scale per (token slot, kv head), K and V
 apart: scale = amax over head_dim / max of the type (vLLM's
 `*_per_token_head` layout). A scale is fixed when its token is written, so a
 block never needs re-quantizing as it fills. The scales are a side tensor,
-reported apart (`scale_bytes`: 4 / head_dim of the payload per element byte).
+reported apart (`scale_bytes`): 4 bytes per head_dim payload bytes, i.e. 12.5%
+on top at head_dim 32, 3% at 128. memory.plan_memory does not count them (as
+vLLM counts only the payload); they come out of the overhead margin.
 """
 from __future__ import annotations
 
@@ -130,8 +132,24 @@ class PagedKVCache:
         both = self.raw[layer].view(2 * h, self.num_blocks, bs * d).index_select(1, block_ids)
         both = both.view(2 * h, -1, d)
         if self.quantized:
-            if self.dtype != torch.int8:
-                both = both.view(self.dtype)
             scale = self.scales[layer].view(2 * h, self.num_blocks, bs).index_select(1, block_ids)
-            both = (both.to(torch.float32) * scale.view(2 * h, -1, 1)).to(self.model_dtype)
+            values, factor = self._to_float(both)
+            both = (values * (scale.view(2 * h, -1, 1) * factor)).to(self.model_dtype)
         return both[:h], both[h:]
+
+    def _to_float(self, raw: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Stored bytes -> float32 values / factor. On the CPU, fp8 goes through
+        float16 bit patterns: torch's own float8_e4m3fn -> float32 there is
+        ~6x slower (2.4 ms against 0.39 ms per layer of the tiny benchmark)."""
+        if self.dtype == torch.int8:
+            return raw.to(torch.float32), 1.0
+        if raw.device.type != "cpu":
+            return raw.view(self.dtype).to(torch.float32), 1.0
+        wide = raw.view(torch.int8).to(torch.int16)  # sign-extended byte
+        if self.dtype == torch.float8_e5m2:  # e5m2 is the high byte of a float16
+            return (wide << 8).view(torch.float16).to(torch.float32), 1.0
+        # e4m3fn: s eeee mmm -> float16 s 0eeee mmm0000000 (bias 15 instead of 7,
+        # subnormals included), so the value is the float16 times 2^8. No NaN is
+        # ever stored (writes clamp to +-448).
+        bits = torch.bitwise_and(wide << 7, -16385)  # clear bit 14, keep the sign
+        return bits.view(torch.float16).to(torch.float32), 256.0

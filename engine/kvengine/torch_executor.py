@@ -1,0 +1,392 @@
+"""TorchExecutor: real forward passes over a paged KV cache, behind SimExecutor's interface.
+
+    engine = build_torch_engine(EngineConfig(block_size=16), preset="tiny")
+    engine.add_request("a", engine.executor.tokenizer.encode("Hello"), SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        engine.step()
+
+`LLMEngine` drives the executor in three calls:
+  1. `profile_activation_bytes(config)` before the pool is sized. On CUDA a
+     profiling forward pass at `max_num_batched_tokens` (split over
+     `max_num_seqs` sequences, with their logits), measured as vLLM measures it:
+     the rise of torch.cuda.max_memory_allocated over the weights. On the CPU
+     the estimate of memory.activation_peak_bytes (the CPU allocator has no
+     peak counter worth trusting, and a profiling pass of a real model on a
+     CPU takes minutes).
+  2. `initialize_cache(num_gpu_blocks, kv_manager)`: allocates the KV tensors
+     (exactly num_gpu_blocks * memory.kv_bytes_per_block bytes of payload,
+     plus the quantized types' scales, reported apart as `kv_scale_bytes`).
+  3. `execute(out)` every step: the scheduler has already advanced each
+     request's num_computed_tokens by its num_new_tokens, so request i
+     computes tokens [c - n, c) of all_token_ids; it samples when c reaches
+     the end of its tokens, else (a prefill chunk) its entry is None.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from .blocks import cdiv
+from .clock import WallClock
+from .config import (
+    DEVICE_PRESETS,
+    ConfigError,
+    DeviceSpec,
+    EngineConfig,
+    GiB,
+    ModelSpec,
+    model_preset,
+)
+from .engine import LLMEngine
+from .executor import ExecutorOutput
+from .kv_cache import PagedKVCache
+from .memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
+from .model import (
+    TORCH_DTYPES,
+    AttentionBatch,
+    LlamaModel,
+    PrefillChunk,
+    decode_bias,
+    prefill_mask,
+    random_state_dict,
+)
+from .sampling import Sampler, is_greedy
+from .scheduler import SchedulerOutput
+
+DEFAULT_CPU_MEMORY = 2 * GiB
+THREADS_ENV = "KVENGINE_NUM_THREADS"
+
+
+# -- devices -------------------------------------------------------------------------
+def resolve_device(device: str | None = "cpu") -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'. 'cpu', 'cuda' and 'cuda:N'
+    pass through (checked); a GPU preset name (h100-80gb, ...) means 'cuda'."""
+    device = (device or "cpu").strip()
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device in DEVICE_PRESETS and device != "cpu":
+        device = "cuda"
+    if device == "cpu":
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            build = torch.version.cuda
+            why = (f"torch {torch.__version__} is a CPU-only build" if build is None
+                   else f"torch {torch.__version__} (CUDA {build}) sees no GPU")
+            raise ConfigError(f"--device {device}: CUDA is not available here ({why}); "
+                              "use --device cpu (or auto)")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible")
+        return device
+    raise ConfigError(f"--device {device!r}: the torch executor runs on cpu, cuda, cuda:N or auto")
+
+
+def torch_device_spec(device: str, device_memory: int | None = None) -> DeviceSpec:
+    """The DeviceSpec the pool is sized from.
+
+    cuda: the real GPU's total memory (so gpu_memory_utilization applies to it),
+    its name, and bandwidth/FLOP/s of the matching preset (H100's if none match).
+    cpu: a budget of `device_memory` bytes (default 2 GiB) plays the device's
+    total memory; bandwidth, FLOP/s and overhead of the `cpu` preset.
+    """
+    device = resolve_device(device)
+    if device == "cpu":
+        base = DEVICE_PRESETS["cpu"]
+        memory = DEFAULT_CPU_MEMORY if device_memory is None else int(device_memory)
+        return DeviceSpec("cpu", memory, base.hbm_bandwidth, base.bf16_flops,
+                          non_torch_overhead_bytes=base.non_torch_overhead_bytes)
+    props = torch.cuda.get_device_properties(torch.device(device))
+    total = torch.cuda.mem_get_info(torch.device(device))[1]
+    if device_memory is not None:
+        total = min(total, int(device_memory))
+    name = props.name
+    key = name.lower()
+    same_chip = [d for n, d in DEVICE_PRESETS.items() if n != "cpu" and n.split("-")[0] in key]
+    base = min(same_chip, key=lambda d: abs(d.memory_bytes - total), default=DEVICE_PRESETS["h100-80gb"])
+    large = total >= 70 * GiB and "a100" not in key  # vLLM's default-batch rule
+    return DeviceSpec(name, total, base.hbm_bandwidth, base.bf16_flops, large_memory=large)
+
+
+def set_num_threads(num_threads: int | None = None) -> int:
+    """torch's intra-op threads: the argument, else $KVENGINE_NUM_THREADS, else 1
+    (on a small CPU box one thread is several times faster than two)."""
+    n = num_threads or int(os.environ.get(THREADS_ENV, "1") or 1)
+    torch.set_num_threads(max(1, n))
+    return n
+
+
+# -- the executor -------------------------------------------------------------------
+class TorchExecutor:
+    def __init__(self, model: LlamaModel, tokenizer=None, seed: int = 0,
+                 kv_cache_dtype: str | None = None):
+        self.model = model
+        self.spec: ModelSpec = model.spec
+        self.device = model.device
+        self.tokenizer = tokenizer
+        self.sampler = Sampler(seed, self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.config: EngineConfig | None = None
+        self.cache: PagedKVCache | None = None
+        self.kv = None
+        self.block_size = 0
+        # Called as hook(requests, logits [S, vocab] float32) on every step that
+        # samples (forces the full-logits path): for tests and accuracy studies.
+        self.logits_hook = None
+
+    # -- start-up hooks (LLMEngine calls them) ----------------------------------
+    def profile_activation_bytes(self, config: EngineConfig) -> int:
+        self.config = config
+        if self.kv_cache_dtype is None:
+            self.kv_cache_dtype = config.kv_cache_dtype
+        if self.device.type != "cuda":
+            return activation_peak_bytes(self.spec, config.max_num_batched_tokens, config.max_num_seqs)
+        return self._profile_cuda(config)
+
+    def _profile_cuda(self, config: EngineConfig) -> int:
+        cache = self._profile_cache(config)  # allocated before the baseline: not activation
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self.profile_run(config, cache)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del cache
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    @staticmethod
+    def _profile_sequences(config: EngineConfig) -> list[int]:
+        """vLLM's dummy batch: max_num_batched_tokens tokens over min(max_num_seqs,
+        tokens) sequences, as even as they split."""
+        tokens = config.max_num_batched_tokens
+        seqs = min(config.max_num_seqs, tokens)
+        return [tokens // seqs + (1 if i < tokens % seqs else 0) for i in range(seqs)]
+
+    def _profile_cache(self, config: EngineConfig) -> PagedKVCache:
+        bs = config.block_size
+        blocks = sum(cdiv(n, bs) for n in self._profile_sequences(config)) + 1
+        return PagedKVCache(self.spec.num_layers, blocks, bs, self.spec.num_kv_heads,
+                            self.spec.head_dim, self.kv_cache_dtype or config.kv_cache_dtype,
+                            self.model.dtype, self.device)
+
+    def profile_run(self, config: EngineConfig, cache: PagedKVCache) -> torch.Tensor:
+        """One forward pass over the dummy batch into `cache`, and each sequence's
+        last-token logits (returned), as vLLM's profile run."""
+        bs, dev = config.block_size, self.device
+        ids, positions, slots, chunks, next_block = [], [], [], [], 1
+        for n in self._profile_sequences(config):
+            block_ids = list(range(next_block, next_block + cdiv(n, bs)))
+            next_block += len(block_ids)
+            chunks.append(PrefillChunk(len(ids), n, n, torch.tensor(block_ids, device=dev),
+                                       None, True))
+            ids += [0] * n
+            positions += range(n)
+            slots += [block_ids[p // bs] * bs + p % bs for p in range(n)]
+        batch = AttentionBatch(torch.tensor(slots, device=dev), 0, None, None, chunks)
+        cache.zero_fresh_blocks(batch.slots)
+        hidden = self.model.forward(torch.tensor(ids, device=dev),
+                                    torch.tensor(positions, device=dev), batch, cache)
+        last = torch.tensor([c.row + c.num_tokens - 1 for c in chunks], device=dev)
+        return self.model.compute_logits(hidden[last])
+
+    def initialize_cache(self, num_gpu_blocks: int, kv_manager) -> None:
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        dtype = self.kv_cache_dtype or (self.config.kv_cache_dtype if self.config else "auto")
+        self.kv_cache_dtype = dtype
+        if self.device.type == "cuda":
+            self._check_cache_fits(num_gpu_blocks, dtype)
+        self.cache = PagedKVCache(self.spec.num_layers, num_gpu_blocks, self.block_size,
+                                  self.spec.num_kv_heads, self.spec.head_dim, dtype,
+                                  self.model.dtype, self.device)
+
+    def _check_cache_fits(self, num_blocks: int, dtype: str) -> None:
+        """A clear error instead of a CUDA OOM from inside torch: the payload the
+        plan sized, plus the quantized types' scales, which the plan leaves to
+        the overhead margin (4 bytes per head_dim payload bytes)."""
+        payload = num_blocks * kv_bytes_per_block(self.spec, dtype, self.block_size)
+        scales = 0 if dtype == "auto" else payload * 4 // self.spec.head_dim
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if payload + scales > free:
+            raise KVCacheMemoryError(
+                f"The KV cache ({num_blocks} blocks: {payload / GiB:.2f} GiB of K/V"
+                + (f" + {scales / GiB:.2f} GiB of {dtype} scales" if scales else "")
+                + f") does not fit in the {free / GiB:.2f} GiB free on {self.device}. "
+                "Decrease `gpu_memory_utilization` or set `num_gpu_blocks_override`.")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """K+V payload allocated: num_gpu_blocks * memory.kv_bytes_per_block(...)."""
+        return self.cache.payload_bytes if self.cache else 0
+
+    @property
+    def kv_scale_bytes(self) -> int:
+        return self.cache.scale_bytes if self.cache else 0
+
+    # -- one step -----------------------------------------------------------------
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        start = time.perf_counter()
+        if self.cache is None:
+            raise RuntimeError("TorchExecutor.execute before initialize_cache")
+        if self.kv.pending_copies:
+            pairs = list(self.kv.pending_copies)
+            self.kv.pending_copies.clear()
+            self.cache.copy_blocks(pairs)
+        ids, positions, batch, sample_rows, sample_reqs, sample_at = self._prepare(out)
+        sampled: list[int | None] = [None] * len(out.scheduled)
+        if ids is not None:
+            self.cache.zero_fresh_blocks(batch.slots)
+            hidden = self.model.forward(ids, positions, batch, self.cache)
+            if sample_rows:
+                last = hidden[torch.tensor(sample_rows, device=self.device)]
+                if self.logits_hook is None and all(is_greedy(r.sampling_params)
+                                                    for r in sample_reqs):
+                    tokens = self.model.greedy_tokens(last).tolist()
+                else:
+                    logits = self.model.compute_logits(last)
+                    if self.logits_hook is not None:
+                        self.logits_hook(sample_reqs, logits)
+                    tokens = self.sampler.sample(logits, sample_reqs)
+                for i, token in zip(sample_at, tokens):
+                    sampled[i] = token
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ExecutorOutput(sampled, time.perf_counter() - start)
+
+    def _prepare(self, out: SchedulerOutput):
+        """Flatten the step: decode rows first, then each prefill chunk's rows."""
+        bs, get_blocks, dev = self.block_size, self.kv.get_block_ids, self.device
+        window = self.spec.sliding_window
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        prefill = []
+        sample_rows, sample_reqs, sample_at = [], [], []
+        for i, (req, n) in enumerate(zip(out.scheduled, out.num_new_tokens)):
+            c = req.num_computed_tokens
+            if n <= 0 or req.is_finished:
+                continue
+            if n > 1:
+                prefill.append((i, req, n, c))
+                continue
+            blocks = get_blocks(req.request_id)[:cdiv(c, bs)]
+            p = c - 1
+            ids.append(req.all_token_ids[p])
+            positions.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables.append(blocks)
+            context_lens.append(c)
+            if c >= len(req.all_token_ids):
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(req)
+                sample_at.append(i)
+        num_decode = len(ids)
+        decode_blocks = bias = None
+        if num_decode:
+            width = max(len(t) for t in tables)
+            decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+            decode_blocks = decode_blocks.view(-1)
+            bias = decode_bias(torch.tensor(context_lens, device=dev), width * bs, window,
+                               self.model.dtype)
+        chunks = []
+        slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)]
+        for i, req, n, c in prefill:
+            start = c - n
+            blocks = torch.tensor(get_blocks(req.request_id)[:cdiv(c, bs)], device=dev)
+            pos = torch.arange(start, c, device=dev)
+            slot_parts.append(blocks[pos // bs] * bs + pos % bs)
+            chunks.append(PrefillChunk(len(ids), n, c, blocks,
+                                       prefill_mask(start, n, c, window, dev), start == 0))
+            ids.extend(req.all_token_ids[start:c])
+            positions.extend(range(start, c))
+            if c >= len(req.all_token_ids):
+                sample_rows.append(len(ids) - 1)
+                sample_reqs.append(req)
+                sample_at.append(i)
+        if not ids:
+            return None, None, None, [], [], []
+        batch = AttentionBatch(torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0],
+                               num_decode, decode_blocks, bias, chunks)
+        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch,
+                sample_rows, sample_reqs, sample_at)
+
+
+# -- wiring ---------------------------------------------------------------------------
+def build_torch_engine(config: EngineConfig, preset: str | None = None, model_path: str | None = None,
+                       device: str = "cpu", device_memory: int | None = None, seed: int = 0,
+                       dtype: str | None = None, num_threads: int | None = None,
+                       clock=None) -> LLMEngine:
+    """An LLMEngine running a real model with the TorchExecutor.
+
+    config        the engine knobs (EngineConfig; unset ones take vLLM's defaults).
+    preset        a ModelSpec preset name with random weights from `seed`
+                  (default "tiny" when no model_path).
+    model_path    a local Hugging Face folder (config.json + *.safetensors, maybe
+                  sharded) of a Llama, Mistral or Qwen2 model; never downloaded.
+                  Its tokenizer.json is used when present. Wins over preset.
+    device        "cpu", "cuda", "cuda:N" or "auto" (cuda when available); a GPU
+                  preset name means "cuda". Raises ConfigError with a plain
+                  message when CUDA is asked for and absent.
+    device_memory bytes playing the device's total memory on the CPU (default
+                  2 GiB); on CUDA an optional cap below the real total.
+    seed          random weights (presets) and the sampler's unseeded draws.
+    dtype         override the model dtype: float32, bfloat16 or float16.
+    num_threads   torch intra-op threads (default $KVENGINE_NUM_THREADS or 1).
+    clock         default WallClock() (serving); pass a VirtualClock for replay.
+
+    The engine's executor (engine.executor) carries the tokenizer
+    (engine.executor.tokenizer) and the loaded model (engine.executor.model);
+    engine.eos_token_id is the model's (or the byte tokenizer's) eos id.
+    """
+    from .hf import generation_eos_ids, load_hf_state_dict, model_spec_from_hf
+    from .tokenizer import load_tokenizer
+
+    set_num_threads(num_threads)
+    torch_device = resolve_device(device)
+    if model_path is not None:
+        spec = model_spec_from_hf(model_path)
+    else:
+        spec = model_preset(preset or "tiny")
+    if dtype is not None:
+        if dtype not in TORCH_DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
+        spec = _replace(spec, dtype=dtype)
+    device_spec = torch_device_spec(torch_device, device_memory)
+    if torch_device.startswith("cuda"):
+        _check_free_gpu_memory(torch_device, device_spec, config)
+    weights = load_hf_state_dict(model_path) if model_path else random_state_dict(spec, seed)
+    model = LlamaModel(spec, weights, torch_device)
+    del weights
+    eos = spec.eos_token_id
+    if model_path is not None and eos is None:
+        eos = next(iter(generation_eos_ids(model_path)), None)
+    tokenizer = load_tokenizer(model_path, spec.vocab_size, spec.bos_token_id, eos)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    executor = TorchExecutor(model, tokenizer, seed)
+    config = _replace(config, seed=seed) if config.seed != seed else config
+    return LLMEngine(config, spec, device_spec, executor=executor,
+                     clock=clock or WallClock(), eos_token_id=eos)
+
+
+def _replace(obj, **changes):
+    import dataclasses
+    return dataclasses.replace(obj, **changes)
+
+
+def _check_free_gpu_memory(device: str, spec: DeviceSpec, config: EngineConfig) -> None:
+    """vLLM refuses to start when other processes hold what utilization asks for."""
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    requested = math.ceil(spec.memory_bytes * config.gpu_memory_utilization)
+    if config.num_gpu_blocks_override is None and free < requested:
+        raise ConfigError(
+            f"Free memory on device {device} ({free / GiB:.2f}/{spec.memory_bytes / GiB:.2f} GiB) "
+            f"on startup is less than desired GPU memory utilization "
+            f"({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB). Decrease GPU memory "
+            "utilization or reduce GPU memory used by other processes.")
