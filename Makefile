@@ -5,9 +5,21 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean promtool check-alerts
 
-setup: $(STAMP)
+setup: $(STAMP) promtool
+
+# promtool (Debian's prometheus package) checks dashboards/prometheus/alerts.yml;
+# tests/test_alerts.py says clearly when it cannot run without it.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || \
+		{ apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
+		  { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || \
+		  echo "note: could not install promtool (Debian's prometheus package); the alert-rule tests will skip"; }
+
+check-alerts: promtool
+	promtool check rules dashboards/prometheus/alerts.yml
+	promtool test rules dashboards/prometheus/alerts_test.yml
 
 # torch first: pinned to the local CPU wheel, so nothing later pulls a CUDA build.
 $(STAMP): pyproject.toml
@@ -17,7 +29,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) promtool
 	$(VPY) -m pytest
 
 DEMO_TRACE := kvtune/data/demo_traces.jsonl

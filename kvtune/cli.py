@@ -9,6 +9,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
 from kvengine.config import ConfigError  # noqa: E402
 
+from .diagnose import add_diagnose_command  # noqa: E402
+from .plan_cli import add_plan_command  # noqa: E402
+from .report import ReportError, add_report_command  # noqa: E402
 from .run_cmd import add_run_command  # noqa: E402
 from .search.cli import add_search_command  # noqa: E402
 from .search.space import SpaceError  # noqa: E402
@@ -24,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_commands(sub)
     add_run_command(sub)
     add_search_command(sub)
+    add_report_command(sub)
+    add_diagnose_command(sub)
+    add_plan_command(sub)
     return parser
 
 
@@ -31,7 +37,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, TraceError, StoreError, SpaceError, StudyError) as err:
+    except (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

@@ -3,10 +3,12 @@ stage-1 trial loop that several processes can run on one study at once."""
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 
 import optuna
+import sqlalchemy.exc
 from optuna.trial import TrialState
 
 from kvengine.config import EngineConfig
@@ -35,11 +37,19 @@ def open_storage(db_url: str, heartbeat_s: float = 30.0) -> optuna.storages.RDBS
 
     A heartbeat lets a resumed search fail the trials a killed process left RUNNING."""
     engine_kwargs = {"connect_args": {"timeout": 60}} if db_url.startswith("sqlite") else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
-                                          heartbeat_interval=int(max(1, heartbeat_s)),
-                                          grace_period=int(max(3, 3 * heartbeat_s)))
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
+                                                  heartbeat_interval=int(max(1, heartbeat_s)),
+                                                  grace_period=int(max(3, 3 * heartbeat_s)))
+        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as err:
+            # Two searches starting at once both create Optuna's schema; the loser retries.
+            schema_race = "already exists" in str(err) or "alembic_version" in str(err)
+            if not schema_race or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def make_sampler(name: str, seed: int | None, multi: bool) -> optuna.samplers.BaseSampler:

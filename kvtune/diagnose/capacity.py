@@ -1,0 +1,132 @@
+"""Faults of a KV pool too small for what it is asked to hold: F1, F6, F8."""
+from __future__ import annotations
+
+import numpy as np
+
+from .facts import RunFacts
+from .fixes import cap_max_num_seqs, lower_max_model_len, more_kv_room, seqs_that_fit
+from .model import Diagnosis, Evidence, FlagChange, join_fixes
+
+
+def head_of_line_blocking(f: RunFacts) -> Diagnosis | None:
+    """F1: usage at the limit for a sustained time while the queue grows: new requests get no blocks."""
+    s, th = f.series, f.th
+    usage, waiting = s.get("kv_usage"), s.get("num_waiting")
+    if usage is None or waiting is None:
+        return None
+    blocked = (usage >= th.usage_high) & (waiting > 0)
+    share = s.fraction_of_time(blocked)
+    if share < th.sustained_fraction:
+        return None
+    first = int(np.argmax(blocked))
+    peak_at = int(np.argmax(np.where(blocked, waiting, -np.inf)))
+    if waiting[peak_at] - waiting[first] < th.queue_growth:
+        return None
+    ttft, ttft_name = f.ttft_p95()
+    over_slo = ttft is not None and ttft > th.ttft_p95_slo_s
+    evidence = [
+        Evidence("vllm:kv_cache_usage_perc with num_requests_waiting > 0", s.whole(),
+                 round(share, 3), f">= {th.sustained_fraction:g} of run time at usage >= {th.usage_high:g}"),
+        Evidence("vllm:num_requests_waiting", s.window(first, peak_at),
+                 f"{waiting[first]:.0f} → {waiting[peak_at]:.0f}", f"rises by >= {th.queue_growth}"),
+    ]
+    if ttft is not None:
+        evidence.append(Evidence(ttft_name, s.whole(), round(ttft, 3), f"> {th.ttft_p95_slo_s:g} s (SLO)"))
+    return Diagnosis(
+        "F1", "critical" if over_slo else "warning",
+        "queue grows and TTFT spikes while the KV pool is near its limit",
+        evidence,
+        "KV blocks near the limit: new requests cannot get blocks for their prompts (head-of-line blocking)",
+        join_fixes(*more_kv_room(f), lower_max_model_len(f), cap_max_num_seqs(f)) or
+        "more KV room: raise --gpu-memory-utilization, use --kv-cache-dtype fp8, or lower --max-num-seqs")
+
+
+def preemption_thrash(f: RunFacts) -> Diagnosis | None:
+    """F6: preemptions sustained over the run with the pool full: too many running sequences for it."""
+    s, b, th = f.series, f.bins, f.th
+    preemptions = s.total("num_preemptions")
+    if not preemptions or preemptions < th.min_preemptions or b is None:
+        return None
+    preempting = b.preemptions > 0
+    sustained = preempting.sum() / len(b)
+    usage_peak = s.peak("kv_usage") or 0.0
+    if sustained < th.preempting_fraction or usage_peak < th.usage_saturated:
+        return None
+    share = f.preempted_share()
+    evidence = [
+        Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
+        Evidence("windows with preemptions", f"{len(b)} windows of {b.length:.1f} s", round(sustained, 3),
+                 f">= {th.preempting_fraction:g} of the windows"),
+        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_saturated:g}"),
+        _running_evidence(f),
+    ]
+    if share is not None:
+        evidence.append(Evidence("requests preempted at least once", s.whole(), round(share, 3),
+                                 f"critical at >= {th.preempted_share_critical:g}"))
+    critical = share is None or share >= th.preempted_share_critical
+    return Diagnosis(
+        "F6", "critical" if critical else "warning",
+        "preemptions climb and the waiting queue is long",
+        evidence,
+        "too many running sequences for the KV pool: as their outputs grow they run out of blocks "
+        "and the newest are preempted and recomputed",
+        join_fixes(cap_max_num_seqs(f), _cap_max_tokens(f), *more_kv_room(f)))
+
+
+def _running_evidence(f: RunFacts) -> Evidence:
+    s = f.series
+    peak = s.peak("num_running") or 0
+    fit = seqs_that_fit(f)
+    limit = f"max_num_seqs {f.max_num_seqs}" if f.max_num_seqs else "max_num_seqs unknown"
+    if fit is not None:
+        limit += f"; the pool holds {fit} at p99 context"
+    return Evidence("vllm:num_requests_running peak", s.whole(), int(peak), limit)
+
+
+def _cap_max_tokens(f: RunFacts) -> str | None:
+    outputs = f.result.workload.get("output_len") or {}
+    p95, top = outputs.get("p95"), outputs.get("max")
+    if not p95 or not top or top <= 1.5 * p95:
+        return None
+    return f"cap the requests' `max_tokens` near the output p95 ({p95:,.0f} tokens; the longest asks {top:,})"
+
+
+def context_overcommit(f: RunFacts) -> Diagnosis | None:
+    """F8: the workload's p99 context × the peak running requests is more than the pool holds."""
+    s, th = f.series, f.th
+    if f.pool is None or f.contexts is None:
+        return None
+    peak_running = s.peak("num_running") or 0
+    demand = f.contexts.p99 * peak_running
+    preemptions = s.total("num_preemptions") or 0
+    usage_peak = s.peak("kv_usage") or 0.0
+    if demand <= f.pool.tokens or preemptions < th.min_preemptions or usage_peak < th.usage_saturated:
+        return None
+    c = f.contexts
+    at_mean = c.mean * peak_running
+    mean_note = "fits: planning at the mean hides the tail" if at_mean <= f.pool.tokens else \
+        "over the pool even at the mean"
+    evidence = [
+        Evidence("p99 context × peak running (KV demand, tokens)", s.whole(),
+                 int(demand), f"> pool {f.pool.tokens:,} tokens ({f.pool.source})"),
+        Evidence(f"p99 context ({c.source})", s.whole(), round(c.p99), f"mean {c.mean:,.0f}"),
+        Evidence("mean context × peak running (tokens)", s.whole(), int(at_mean), mean_note),
+        Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
+        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_saturated:g}"),
+    ]
+    return Diagnosis(
+        "F8", "critical",
+        "KV memory exhausted under high concurrency with long contexts",
+        evidence,
+        "KV demand is concurrency × context: the p99 context times the running requests exceeds the pool",
+        join_fixes(*more_kv_room(f), _tensor_parallel(f, demand), cap_max_num_seqs(f)))
+
+
+def _tensor_parallel(f: RunFacts, demand: float) -> FlagChange:
+    """The smallest power-of-two GPU count whose combined pool (at least) covers the demand."""
+    current, pool_tokens = int(f.config.get("tensor_parallel_size") or 1), f.pool.tokens
+    ways = 1
+    while ways * pool_tokens < demand and ways < 8:
+        ways *= 2
+    return FlagChange("--tensor-parallel-size", current, current * ways,
+                      f"at least {ways}× the pool on {ways} GPUs, the weights split among them")

@@ -1,0 +1,117 @@
+"""`kvtune diagnose --run ID` (a stored run; the diagnoses are stored back) or `--url URL` (watch a server)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ..results import RunResult
+from ..store import Store, StoreError, add_db_argument, resolve_db_url
+from .facts import gather
+from .model import Diagnosis, Thresholds
+from .report import format_diagnoses, pool_overview, run_title
+from .run import diagnose
+from .signals import Series
+from .watch import WatchError, watch
+
+
+def add_diagnose_command(subparsers) -> None:
+    p = subparsers.add_parser(
+        "diagnose", help="find the fault card's KV-cache faults in a run or on a live server",
+        description="Run the fault rules (F1–F8 of the fault card) over a stored run, or over a live "
+                    "server's /metrics watched for a while, and print each fault with its evidence and fix. "
+                    "Exits 0 whether or not faults are found, 2 on bad input.")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", type=int, metavar="ID", help="a stored run (see `kvtune run`)")
+    source.add_argument("--url", type=_server_url, metavar="URL",
+                        help="a running vLLM-compatible server to watch (http://host:port)")
+    p.add_argument("--duration", type=_positive, default=60.0, metavar="S",
+                   help="--url: seconds to watch (default: %(default)s)")
+    p.add_argument("--interval", type=_positive, default=1.0, metavar="S",
+                   help="--url: seconds between scrapes (default: %(default)s)")
+    p.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
+                   help="override a rule threshold, e.g. ttft_p95_slo_s=0.5 (repeatable; names: "
+                        + ", ".join(Thresholds.names()) + ")")
+    add_db_argument(p)
+    p.add_argument("--json", action="store_true", help="end with one JSON object with a 'diagnoses' list")
+    p.set_defaults(func=cmd_diagnose)
+
+
+def _server_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected a server URL such as http://127.0.0.1:8000, got {text!r}")
+    return text.rstrip("/")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def parse_thresholds(pairs: list[str]) -> Thresholds:
+    defaults = Thresholds()
+    changes = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        if not sep or name not in Thresholds.names():
+            raise ValueError(f"--threshold {pair!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(Thresholds.names())}")
+        kind = type(getattr(defaults, name))
+        try:
+            changes[name] = kind(text)
+        except ValueError:
+            raise ValueError(f"--threshold {pair!r}: {text!r} is not a{'n' * (kind is int)} {kind.__name__}") \
+                from None
+    return dataclasses.replace(defaults, **changes)
+
+
+def cmd_diagnose(args) -> int:
+    try:
+        thresholds = parse_thresholds(args.threshold)
+        if args.run is not None:
+            return _diagnose_stored(args, thresholds)
+        return _diagnose_live(args, thresholds)
+    except (ValueError, StoreError, WatchError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _diagnose_stored(args, thresholds: Thresholds) -> int:
+    store = Store(resolve_db_url(args.db))
+    row = store.get_run(args.run)
+    result = store.load_run(args.run)
+    error = (row.error or "(no error recorded)") if row.status == "failed" else None
+    diagnoses = diagnose(result, thresholds, error=error)
+    store.save_diagnoses(args.run, diagnoses)
+    label = f"run {args.run}" + (" (failed)" if error is not None else "")
+    _print(result, label, diagnoses, thresholds, args.json, {"run_id": args.run},
+           f"diagnoses stored with run {args.run} in {store.display_url}")
+    return 0
+
+
+def _diagnose_live(args, thresholds: Thresholds) -> int:
+    print(f"watching {args.url} for {args.duration:g} s ...", file=sys.stderr)
+    result = watch(args.url, args.duration, args.interval)
+    diagnoses = diagnose(result, thresholds)
+    _print(result, args.url, diagnoses, thresholds, args.json, {"url": args.url}, None)
+    return 0
+
+
+def _print(result: RunResult, label: str, diagnoses: list[Diagnosis], thresholds: Thresholds, as_json: bool,
+           extra: dict, footer: str | None) -> None:
+    overview = pool_overview(gather(result, thresholds)) if len(Series(result.series)) else []
+    print(run_title(result, label))
+    for line in overview:
+        print("  " + line)
+    print()
+    print(format_diagnoses(diagnoses))
+    if footer:
+        print(footer)
+    if as_json:
+        print(json.dumps(extra | {"diagnoses": [d.to_dict() for d in diagnoses], "overview": overview}))

@@ -1,0 +1,188 @@
+"""Faults of a decode that is bound by memory bandwidth: F2 (ITL grows with context), F3 (tokens/s
+stops growing with load)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .facts import RunFacts
+from .fixes import fp8_kv
+from .latency import itl_by_context
+from .model import Diagnosis, Evidence, FlagChange, join_fixes
+from .signals import Bins, quartile_masks
+
+
+@dataclass
+class Trend:
+    """A latency in the lowest vs the highest quartile of some driver (context, running requests)."""
+
+    metric: str
+    window: str
+    driver_low: float
+    driver_high: float
+    low: float
+    high: float
+
+    @property
+    def ratio(self) -> float:
+        return self.high / self.low if self.low > 0 else math.inf
+
+
+def itl_against_client_context(f: RunFacts) -> Trend | None:
+    """ITL p95 of the gaps at the longest vs the shortest quartile of context (prompt + position)."""
+    context, itl = itl_by_context(f.requests)
+    if len(itl) < f.th.min_itl_samples:
+        return None
+    low, high = quartile_masks(context.astype(float))
+    if not low.any() or not high.any():
+        return None
+    return Trend("ITL p95 (clients) by context quartile", f"{len(itl):,} inter-token gaps",
+                 float(context[low].mean()), float(context[high].mean()),
+                 float(np.percentile(itl[low], 95)), float(np.percentile(itl[high], 95)))
+
+
+def itl_against_server_context(f: RunFacts) -> Trend | None:
+    """Without client samples: the per-request ITL the server's counters imply, by context per request."""
+    b = f.bins
+    if b is None or b.context_per_seq is None:
+        return None
+    itl = b.per_request_itl
+    usable = np.isfinite(itl) & np.isfinite(b.context_per_seq)
+    if usable.sum() < f.th.min_bins:
+        return None
+    low, high = quartile_masks(np.where(usable, b.context_per_seq, np.nan))
+    return Trend("ITL implied by running / generation tokens/s, by context quartile",
+                 f"{usable.sum()} windows of {b.length:.1f} s",
+                 float(b.context_per_seq[low].mean()), float(b.context_per_seq[high].mean()),
+                 float(np.median(itl[low])), float(np.median(itl[high])))
+
+
+def throughput_by_context(f: RunFacts) -> tuple[float, float] | None:
+    """Generation tokens/s in the windows of shortest vs longest context per running request."""
+    b = f.bins
+    if b is None or b.context_per_seq is None:
+        return None
+    busy = np.where(b.running > 0, b.context_per_seq, np.nan)
+    low, high = quartile_masks(busy)
+    if not low.any() or not high.any():
+        return None
+    return float(b.generation_rate[low].mean()), float(b.generation_rate[high].mean())
+
+
+def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
+    """F2: ITL p95 rises with context while throughput stays flat and the pool is well used."""
+    th, s = f.th, f.series
+    trend = itl_against_client_context(f) or itl_against_server_context(f)
+    usage_peak = s.peak("kv_usage") or 0.0
+    if trend is None or trend.ratio < th.itl_growth or usage_peak < th.usage_busy:
+        return None
+    throughput = throughput_by_context(f)
+    if throughput is not None and throughput[1] > th.flat_throughput_gain * throughput[0]:
+        return None  # tokens/s grew with context: more load, not a slower decode
+    evidence = [
+        Evidence(trend.metric, trend.window, f"{trend.low * 1000:.1f} → {trend.high * 1000:.1f} ms",
+                 f"grows >= {th.itl_growth:g}× as context goes {trend.driver_low:,.0f} → "
+                 f"{trend.driver_high:,.0f} tokens"),
+        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_busy:g}"),
+    ]
+    if throughput is not None:
+        evidence.append(Evidence("generation tokens/s, short vs long context windows", s.whole(),
+                                 f"{throughput[0]:,.0f} → {throughput[1]:,.0f}",
+                                 f"flat: gains < {th.flat_throughput_gain:g}×"))
+    return Diagnosis(
+        "F2", "warning",
+        "streaming slows: ITL p95 worsens as contexts grow",
+        evidence,
+        "decode is memory-bandwidth bound: every step reads all live K/V, so each token costs more as "
+        "contexts grow",
+        join_fixes(fp8_kv(f, "halves the K/V bytes every decode step reads"), _halve_max_num_seqs(f),
+                   _chunked_prefill(f)))
+
+
+def _halve_max_num_seqs(f: RunFacts) -> FlagChange | None:
+    current = f.max_num_seqs
+    peak = int(f.series.peak("num_running") or 0)
+    if not peak:
+        return None
+    target = max(min(current or peak, peak) // 2, 1)
+    return FlagChange("--max-num-seqs", current, target, f"half the {peak} that ran at the peak: less K/V per step")
+
+
+def _chunked_prefill(f: RunFacts) -> FlagChange | None:
+    if f.config.get("enable_chunked_prefill") is not False:
+        return None
+    return FlagChange("--enable-chunked-prefill", "off", "on", "long prefills no longer stall decodes")
+
+
+def memory_bound_throughput(f: RunFacts) -> Diagnosis | None:
+    """F3: running requests grow but generation tokens/s does not follow (and ITL rises)."""
+    b, th, s = f.bins, f.th, f.series
+    if b is None:
+        return None
+    busy = decode_windows(b, th.decode_window_prefill_ratio)
+    if busy.sum() < th.min_bins:
+        return None
+    low, high = typical_and_peak(np.where(busy, b.running, np.nan))
+    run_low, run_high = b.running[low].mean(), b.running[high].mean()
+    tps_low, tps_high = b.generation_rate[low].mean(), b.generation_rate[high].mean()
+    running_growth = run_high / run_low
+    if running_growth < th.running_growth:
+        return None
+    elasticity = math.log(max(tps_high / tps_low, 1e-9)) / math.log(running_growth)
+    if elasticity > th.max_throughput_elasticity:
+        return None
+    window = f"{int(busy.sum())} decode windows of {b.length:.1f} s"
+    evidence = [
+        Evidence("vllm:num_requests_running, typical vs peak windows", window,
+                 f"{run_low:.1f} → {run_high:.1f}", f"grows >= {th.running_growth:g}×"),
+        Evidence("generation tokens/s, typical vs peak windows", window,
+                 f"{tps_low:,.0f} → {tps_high:,.0f}", f"flat: elasticity {elasticity:.2f} <= "
+                 f"{th.max_throughput_elasticity:g}"),
+        Evidence("ITL implied by running / generation tokens/s", window,
+                 f"{run_low / tps_low * 1000:.1f} → {run_high / tps_high * 1000:.1f} ms", "rises"),
+    ]
+    gpu = s.time_mean("gpu_utilization")
+    if gpu is not None:
+        evidence.append(Evidence("NVML GPU utilisation (%)", s.whole(), round(gpu, 1),
+                                 f">= {th.gpu_busy_percent:g} looks busy"))
+    return Diagnosis(
+        "F3", "warning",
+        "the server looks busy but tokens/s does not grow with load",
+        evidence,
+        "memory-bound decode, not compute-bound: more running requests only add K/V to read per step",
+        join_fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
+                   fp8_kv(f, "halves the K/V bytes each step reads")))
+
+
+def decode_windows(b: Bins, prefill_ratio: float) -> np.ndarray:
+    """Windows where decoding dominates: prefill-heavy ones are slow for another reason, and windows
+    with preemptions are F6's story (recomputation eats their tokens/s)."""
+    prefill_light = b.prefill_rate <= prefill_ratio * b.generation_rate
+    return (b.running > 0) & (b.generation_rate > 0) & prefill_light & (b.preemptions == 0)
+
+
+def typical_and_peak(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Windows between the 25th and 50th percentile of `values`, and those in the top quartile.
+
+    Below the 25th percentile the load is too light for K/V reads to outweigh the
+    weights' (tokens/s still grows with load there in any server), so it is left out.
+    """
+    finite = np.isfinite(values)
+    if finite.sum() < 2:
+        return np.zeros_like(finite), np.zeros_like(finite)
+    p25, p50, p75 = np.percentile(values[finite], [25, 50, 75])
+    return finite & (values >= p25) & (values <= p50), finite & (values >= p75)
+
+
+def _knee_max_num_seqs(f: RunFacts, busy: np.ndarray) -> FlagChange | None:
+    """The fewest running requests at which tokens/s already reached 90% of its best."""
+    b = f.bins
+    best = b.generation_rate[busy].max()
+    enough = busy & (b.generation_rate >= 0.9 * best)
+    knee = max(math.ceil(b.running[enough].min()), 1)
+    if f.max_num_seqs is not None and f.max_num_seqs <= knee:
+        return None
+    return FlagChange("--max-num-seqs", f.max_num_seqs, knee,
+                      f"tokens/s was within 10% of its best ({best:,.0f}/s) at {knee} running")

@@ -1,0 +1,100 @@
+"""Watch a running vLLM-compatible server: scrape /metrics for a while, then read it as a RunResult.
+
+No clients of ours, so no client latencies: the rules work from the server's
+series, its histograms (TTFT, prompt and output lengths) and its
+vllm:cache_config_info (block size, utilisation, num_gpu_blocks). A server on
+this machine also gets NVML samples (utilisation, memory) where a GPU exists.
+"""
+from __future__ import annotations
+
+import time
+import urllib.parse
+
+import numpy as np
+
+from ..gpu import GpuLog, GpuSampler
+from ..results import RunResult
+from ..scrape import ScrapeError, ScrapeLog, Scraper
+from ..targets.live import server_figures
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+GPU_SERIES = ("gpu_utilization", "gpu_memory_used", "gpu_memory_total")
+
+
+class WatchError(RuntimeError):
+    """The server cannot be watched (unreachable, not a metrics endpoint)."""
+
+
+def watch(url: str, duration_s: float, interval_s: float = 1.0) -> RunResult:
+    """Scrape `url` every `interval_s` for `duration_s` (Ctrl-C ends it early) and return what it said."""
+    scraper = Scraper(url, interval_s=interval_s)
+    try:
+        scraper.scrape_once()
+    except ScrapeError as err:
+        raise WatchError(f"cannot watch {url}: {err}") from None
+    gpu = GpuSampler(interval_s).start() if urllib.parse.urlsplit(url).hostname in LOOPBACK else None
+    scraper.start()
+    try:
+        time.sleep(duration_s)
+    except KeyboardInterrupt:
+        pass  # diagnose what was seen so far
+    log = scraper.stop()
+    result = result_from_scrape(log, url)
+    if gpu is not None:
+        result.series |= gpu_series_at_scrapes(gpu.stop(), log)
+    return result
+
+
+def gpu_series_at_scrapes(gpu: GpuLog, log: ScrapeLog) -> dict[str, list]:
+    """NVML samples lined up with the scrapes: at each scrape, the latest GPU sample before it."""
+    if not gpu.samples or not log.snapshots:
+        return {}
+    samples = gpu.series(start=log.start)
+    scrapes = np.array([s.t - log.start for s in log.snapshots])
+    index = np.searchsorted(np.array(samples["time"]), scrapes, side="right") - 1
+    return {name: [samples[name][i] if i >= 0 else None for i in index] for name in GPU_SERIES}
+
+
+def result_from_scrape(log: ScrapeLog, url: str) -> RunResult:
+    series = log.series()
+    snapshot = log.snapshots[-1] if log.snapshots else None
+    model = (snapshot.model_name if snapshot else None) or url
+    span = series["time"][-1] if series["time"] else 0.0
+    result = RunResult(target="url", model=model, device="unknown",
+                       config=config_from_cache_info(_latest_info(log)),
+                       workload=profile_from_histograms(log, url), requests=[], series=series, duration_s=span)
+    result.summary = server_figures(log)
+    return result
+
+
+def _latest_info(log: ScrapeLog) -> dict:
+    return next((s.info for s in reversed(log.snapshots) if s.info), {})
+
+
+def config_from_cache_info(info: dict[str, str]) -> dict:
+    """The labels of vllm:cache_config_info as config values (every value is a string there)."""
+    def number(key, kind):
+        try:
+            return kind(info[key])
+        except (KeyError, ValueError):
+            return None
+
+    config = {
+        "block_size": number("block_size", int),
+        "gpu_memory_utilization": number("gpu_memory_utilization", float),
+        "kv_cache_dtype": info.get("cache_dtype"),
+        "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
+        "num_gpu_blocks": number("num_gpu_blocks", int),
+        "num_gpu_blocks_override": number("num_gpu_blocks_override", int),
+    }
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def profile_from_histograms(log: ScrapeLog, url: str) -> dict:
+    """A workload profile from what the server observed: prompt and output lengths per finished request."""
+    profile: dict = {"source": f"server histograms at {url}", "requests": int(log.histogram_count("e2e") or 0)}
+    for key, name in (("input_len", "prompt_len"), ("output_len", "generation_len")):
+        quantiles = {f"p{q}": log.histogram_quantile(name, q / 100) for q in (50, 95, 99)}
+        if quantiles["p99"] is not None:
+            profile[key] = quantiles | {"mean": log.histogram_mean(name)}
+    return profile

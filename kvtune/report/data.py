@@ -1,0 +1,191 @@
+"""Everything a report says, read from the run store and the Optuna study (nothing is written back)."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import optuna
+from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
+from sqlalchemy.engine import make_url
+
+from ..results import RunResult
+from ..search.slo import SLO, score
+from ..search.study import open_storage
+from ..store import RunNotFoundError, Store
+from .verdict import Candidate, Measurement, Verdict, choose
+
+_SLO_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
+_SUMMARY_KEYS = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95", "e2e_p95",
+                 "prefix_hit_rate", "kv_usage_peak", "preemptions")
+
+
+class ReportError(ValueError):
+    """The study cannot be reported: its database is missing, or the study is unknown or empty."""
+
+
+@dataclass
+class StudyInfo:
+    name: str
+    objective: str  # goodput | throughput | multi | capacity
+    directions: list[str]
+    slos: list[SLO]
+    latency: str  # the multi objective's latency axis
+    workload: str | None
+    preset: str | None
+    device: str | None
+    knobs: list[str]
+    space: dict = field(default_factory=dict)  # knob -> the range searched, as text
+
+
+@dataclass
+class RunView:
+    """A stored run the report plots and diagnoses."""
+    label: str
+    stage: str
+    run_id: int
+    result: RunResult
+
+
+@dataclass
+class ReportData:
+    info: StudyInfo
+    study: optuna.Study
+    trials: list[Measurement]  # stage 1, every trial, by number
+    live: list[Measurement]  # stage 2 re-runs
+    candidates: list[Candidate]  # the configs compared across stages, best first, the default last
+    default: Candidate
+    verdict: Verdict
+    best_run: RunView | None = None  # the recommended config's run, else the closest one's
+    default_run: RunView | None = None
+
+    @property
+    def headline(self) -> Candidate | None:
+        return self.verdict.recommended or self.verdict.closest
+
+
+def load_report_data(db_url: str, name: str) -> ReportData:
+    _require_database(db_url)
+    study = _load_study(db_url, name)
+    store = Store(db_url)
+    try:
+        load = functools.cache(lambda run_id: _load(store, run_id))  # a live run is scored, then plotted
+        runs = {r.id: r for r in store.list_runs(limit=1_000_000, study=name)}
+        info = study_info(study, runs)
+        trials = [_stage1(t, info, runs) for t in study.get_trials(deepcopy=False)]
+        live = [_stage2(row, info, load) for row in store.list_trials(name, stage="live")]
+        verdict, candidates, default = choose(trials, live, info.slos, _default_params(info))
+        data = ReportData(info, study, trials, live, candidates, default, verdict)
+        if data.headline is not None:
+            data.best_run = _run_view(load, data.headline, "recommended" if verdict.recommended else "closest")
+        data.default_run = _run_view(load, default, default.label)
+        return data
+    finally:
+        store.close()
+
+
+def _require_database(db_url: str) -> None:
+    url = make_url(db_url)
+    path = url.database
+    is_file = url.get_backend_name() == "sqlite" and path not in (None, "", ":memory:") and not path.startswith("file:")
+    if is_file and not os.path.exists(path):  # opening it would create an empty database
+        raise ReportError(f"no database at {path}: run `kvtune search` first, or pass --db URL")
+
+
+def _load_study(db_url: str, name: str) -> optuna.Study:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # the heartbeat option
+        storage = open_storage(db_url)
+    names = sorted(optuna.get_all_study_names(storage))
+    if name not in names:
+        known = ", ".join(names) if names else "none yet"
+        raise ReportError(f"no study {name!r} in this database; studies: {known}")
+    study = optuna.load_study(study_name=name, storage=storage)
+    if not study.get_trials(deepcopy=False):
+        raise ReportError(f"study {name!r} has no trials yet: run `kvtune search --study {name}` first")
+    return study
+
+
+def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
+    attrs = study.user_attrs
+    knobs = list(attrs.get("space") or {})
+    if not knobs:
+        knobs = list(dict.fromkeys(k for t in study.get_trials(deepcopy=False) for k in t.params))
+    first_run = next(iter(runs.values()), None)
+    return StudyInfo(
+        name=study.study_name, objective=attrs.get("objective", "goodput"),
+        directions=[d.name.lower() for d in study.directions],
+        slos=[parse_slo_text(s) for s in attrs.get("slos") or []], latency=attrs.get("latency", "ttft_p95"),
+        workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
+        device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
+        space=dict(attrs.get("space") or {}))
+
+
+def parse_slo_text(text: str) -> SLO:
+    """The SLO back from how the study stores it (str(SLO): 'ttft_p95 <= 500 ms')."""
+    m = _SLO_TEXT.match(text.strip())
+    if not m:
+        raise ReportError(f"cannot read the study's SLO {text!r}; expected e.g. 'ttft_p95 <= 500 ms'")
+    metric, pct, value = m.groups()
+    return SLO(metric, int(pct), float(value) / 1000)
+
+
+def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:
+    attrs = trial.user_attrs
+    run = runs.get(attrs.get("run_id"))
+    observed = {slo.name: attrs.get(f"observed_{slo.name}") for slo in info.slos}
+    for slo in info.slos:  # a duplicate carries its twin's constraints but not its observations
+        violation = (trial.constraints or {}).get(slo.name)
+        if observed[slo.name] is None and violation is not None and violation < 1e8:
+            observed[slo.name] = violation + slo.threshold_s
+    return Measurement(
+        stage="sim", number=trial.number, params=dict(trial.params), state=trial.state.name,
+        values=list(trial.values) if trial.values is not None else None,
+        constraints=dict(trial.constraints or {}), run_id=attrs.get("run_id"), reason=attrs.get("fail_reason"),
+        duplicate_of=attrs.get("duplicate_of"), surplus=bool(attrs.get("surplus")),
+        goodput_rps=attrs.get("goodput_rps"), throughput_rps=attrs.get("throughput_rps"), observed=observed,
+        summary={k: getattr(run, k) for k in _SUMMARY_KEYS} if run is not None else {},
+        target=run.target if run is not None else None)
+
+
+def _stage2(row, info: StudyInfo, load) -> Measurement:
+    m = Measurement(stage="live", number=row.number, params=dict(row.params), state=row.state,
+                    values=row.values, constraints=dict(row.constraints or {}), run_id=row.run_id,
+                    reason=row.reason)
+    result = load(row.run_id)
+    if result is not None:  # stage 2 stores no scores: score the run as stage 1 did
+        sc = score(result, info.slos)
+        m.goodput_rps, m.throughput_rps, m.observed = sc.goodput_rps, sc.throughput_rps, dict(sc.observed)
+        m.summary = {k: result.summary.get(k) for k in _SUMMARY_KEYS}
+        m.target = result.target
+    return m
+
+
+def _default_params(info: StudyInfo) -> dict | None:
+    """vLLM's default config in the study's knobs (what stage 2 re-runs as 'default')."""
+    try:
+        default = EngineConfig().resolve(model_preset(info.preset or ""), device_preset(info.device or ""))
+    except ConfigError:
+        return None
+    return {name: getattr(default, name) for name in info.knobs if hasattr(default, name)}
+
+
+def _run_view(load, candidate: Candidate, label: str) -> RunView | None:
+    m = candidate.measured
+    if m is None or m.run_id is None:
+        return None
+    result = load(m.run_id)
+    if not candidate.is_default:
+        label = f"{label} ({candidate.label})"
+    return None if result is None else RunView(label, m.stage, m.run_id, result)
+
+
+def _load(store: Store, run_id: int | None) -> RunResult | None:
+    if run_id is None:
+        return None
+    try:
+        return store.load_run(run_id)
+    except RunNotFoundError:
+        return None

@@ -1,0 +1,66 @@
+"""Numbers with their units, the way an ops reader wants them: short, never 'None'."""
+from __future__ import annotations
+
+import math
+
+GiB = 1 << 30
+KiB = 1 << 10
+MISSING = "–"
+
+
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
+def ms(seconds: float | None) -> str:
+    if not _known(seconds):
+        return MISSING
+    value = seconds * 1000
+    return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
+
+
+def rps(value: float | None) -> str:
+    return f"{value:.2f} req/s" if _known(value) else MISSING
+
+
+def tok_s(value: float | None) -> str:
+    return f"{value:,.0f} tok/s" if _known(value) else MISSING
+
+
+def pct(fraction: float | None, digits: int = 1) -> str:
+    return f"{fraction * 100:.{digits}f} %" if _known(fraction) else MISSING
+
+
+def gib(nbytes: float | None) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if _known(nbytes) else MISSING
+
+
+def kib(nbytes: float | None) -> str:
+    return f"{nbytes / KiB:g} KiB" if _known(nbytes) else MISSING
+
+
+def count(value) -> str:
+    return f"{int(value):,}" if _known(value) else MISSING
+
+
+def number(value, digits: int = 3) -> str:
+    if not _known(value):
+        return MISSING
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:.{digits}g}"
+
+
+def change(new: float | None, old: float | None) -> str:
+    """'+12 %' relative to old; empty when either side is unknown or old is zero."""
+    if not (_known(new) and _known(old)) or old == 0:
+        return ""
+    return f"{(new - old) / abs(old) * 100:+.0f} %"
+
+
+def param(name: str, value) -> str:
+    if name == "gpu_memory_utilization" and isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)

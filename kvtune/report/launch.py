@@ -1,0 +1,93 @@
+"""The copy-paste launch commands of a config, for vLLM, SGLang and the bundled kvengine.
+
+Built by the same targets that start those servers in stage 2, so the flags
+(and SGLang's mapping of vLLM's knobs) are the ones kvtune itself ran.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+
+from kvengine.config import EngineConfig
+
+from ..targets import EngineTarget, SglangTarget, TargetStartError, VllmTarget
+
+MODEL_VAR = "$MODEL"
+_PLACEHOLDER = "__KVTUNE_MODEL__"
+_LOCAL_ONLY = ("--host", "--port", "--served-model-name")  # where kvtune ran it, not what ops should copy
+# The Hugging Face checkpoint each preset's shape comes from: a starting point for $MODEL.
+PRESET_MODELS = {
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B-Instruct",
+    "llama-3-70b": "meta-llama/Meta-Llama-3-70B-Instruct",
+    "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct",
+}
+
+
+@dataclass
+class LaunchCommand:
+    server: str  # vLLM | SGLang | kvengine
+    text: str | None  # the shell command, None when the server cannot run this config
+    note: str = ""  # why not, or what to know first
+
+
+def engine_config(run_config: dict, params: dict) -> EngineConfig:
+    """The config a run used (its stored dict), with the trial's knobs on top."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
+    known = {k: v for k, v in (run_config or {}).items() if k in names}
+    return EngineConfig(**(known | {k: v for k, v in params.items() if k in names}))
+
+
+def launch_commands(config: EngineConfig, preset: str | None, device: str | None,
+                    served_model: str | None = None) -> list[LaunchCommand]:
+    """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model."""
+    model = served_model or _PLACEHOLDER
+    out = []
+    for server, target in (("vLLM", VllmTarget(model=model)),
+                           ("SGLang", SglangTarget(model=model, python="python"))):
+        try:
+            argv = _strip_local(target.command(config, 0))
+        except TargetStartError as err:
+            out.append(LaunchCommand(server, None, str(err)))
+        else:
+            out.append(LaunchCommand(server, _shell(argv)))
+    engine = EngineTarget(executor="sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
+    argv = ["kvengine", *_strip_local(engine.command(config, 0))[3:]]  # `python -m kvengine` is `kvengine`
+    out.append(LaunchCommand("kvengine", _shell(argv),
+                             "the bundled engine serving the simulated device, as kvtune's stage 2 runs it"))
+    return out
+
+
+def model_export(preset: str | None, served_model: str | None) -> str | None:
+    """The line that sets $MODEL, when the commands use it."""
+    if served_model:
+        return None
+    suggestion = PRESET_MODELS.get(preset or "", "/path/to/your/model")
+    return f"export MODEL={shlex.quote(suggestion)}  # the checkpoint you serve (the study sized {preset})"
+
+
+def _strip_local(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in _LOCAL_ONLY:
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
+def _shell(argv: list[str]) -> str:
+    """One flag per line, so a reader sees each knob; pastes as one command."""
+    words = [shlex.quote(a).replace(_PLACEHOLDER, f'"{MODEL_VAR}"') for a in argv]
+    lines, current = [], []
+    for word in words:
+        if word.startswith("--") and current:
+            lines.append(" ".join(current))
+            current = []
+        current.append(word)
+    lines.append(" ".join(current))
+    return " \\\n    ".join(lines)

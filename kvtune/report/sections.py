@@ -1,0 +1,218 @@
+"""Sections 2–7: stage 1 vs stage 2, the search's figures, the KV cache over time, diagnoses,
+capacity, the quantized-KV quality note and every trial."""
+from __future__ import annotations
+
+from ..diagnose import Diagnosis
+from ..diagnose.report import show
+from . import fmt, plots
+from .capacity import Capacity
+from .data import ReportData, RunView
+from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
+from .importance import Importance
+from .verdict import Candidate, Measurement
+from .words import metric_label, row_kind, status, value_label, value_text
+
+QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+FIGURES = ("goodput", "throughput", "TTFT p95", "TPOT p95", "meets SLOs")
+
+
+# ---------------------------------------------------------------- 2. stage 1 vs stage 2
+
+def stages_section(data: ReportData) -> list[Block]:
+    intro = ("Stage 1 replays the workload on the simulator; stage 2 re-runs the best configs and vLLM's default "
+             "on a live server. Where the two disagree, trust stage 2." if data.live else
+             "Stage 2 did not run (`--target none`), so only the simulator's numbers exist. The best stage-1 "
+             "configs and vLLM's default:")
+    knobs, stages = data.info.knobs, ("sim", "live") if data.live else ("sim",)
+    header = ["config", *knobs]
+    for name in FIGURES:
+        header += [f"{name} ({stage})" for stage in stages]
+    rows = [_stage_row(c, knobs, stages) for c in data.candidates]
+    numeric = [False] + [True] * (len(header) - 1 - len(stages)) + [False] * len(stages)
+    kinds = [row_kind(c.measured) for c in data.candidates]
+    return [Heading("2. Stage 1 (simulator) vs stage 2 (live server)"), Paragraph(intro),
+            Table(header, rows, row_kinds=kinds, numeric=numeric)]
+
+
+def _stage_row(c: Candidate, knobs: list[str], stages: tuple[str, ...]) -> list[str]:
+    row = [c.label] + [fmt.param(k, c.params.get(k, fmt.MISSING)) for k in knobs]
+    for show_value in (lambda m: fmt.rps(m.goodput_rps), lambda m: fmt.rps(m.throughput_rps),
+                       lambda m: fmt.ms(m.summary.get("ttft_p95")), lambda m: fmt.ms(m.summary.get("tpot_p95"))):
+        row += [_cell(getattr(c, stage), show_value) for stage in stages]
+    row += [_feasible(getattr(c, stage)) for stage in stages]
+    return row
+
+
+def _cell(m: Measurement | None, show_value) -> str:
+    if m is None:
+        return fmt.MISSING
+    return show_value(m) if m.ok else "failed"
+
+
+def _feasible(m: Measurement | None) -> str:
+    if m is None:
+        return fmt.MISSING
+    return ("yes" if m.feasible else "no") if m.ok else "failed"
+
+
+# ---------------------------------------------------------------- 3. the search
+
+def search_section(data: ReportData, importance: Importance) -> list[Block]:
+    info = data.info
+    blocks: list[Block] = [Heading("3. The search")]
+    history = plots.history(data.trials, value_label(info))
+    if history:
+        blocks += [Paragraph(f"Each dot is one stage-1 trial's {value_label(info)}; the line is the best value so "
+                             "far among trials that meet the SLOs."),
+                   Image("history.png", "optimisation history", history)]
+    latency = info.latency if info.objective == "multi" else (info.slos[0].name if info.slos else "ttft_p95")
+    front = {t.number for t in data.study.best_trials} if info.objective == "multi" else set()
+    limit = next((s.threshold_s for s in info.slos if s.name == latency), None)
+    trade = plots.tradeoff(data.trials, latency, front, limit)
+    if trade:
+        text = (f"The Pareto front: configs where no other one has both more throughput and a lower "
+                f"{metric_label(latency)}." if front else
+                f"Throughput against {metric_label(latency)}: lower right is better (more requests, less waiting).")
+        blocks += [Paragraph(text), Image("tradeoff.png", f"throughput vs {latency}", trade)]
+    blocks.append(Heading("Which knobs mattered", 3))
+    blocks.append(Paragraph(importance.note))
+    if importance.values:
+        blocks.append(Image("importance.png", "parameter importance", plots.importance(importance.values)))
+    return blocks
+
+
+# ---------------------------------------------------------------- 4. KV cache over time
+
+def kv_section(data: ReportData, runs: list[RunView], pools: dict[int, list[str]]) -> list[Block]:
+    blocks: list[Block] = [Heading("4. The KV cache over time")]
+    if not runs:
+        return blocks + [Paragraph("No stored run of the recommended or the default config to plot.")]
+    figure = plots.kv_over_time(runs)
+    blocks.append(Paragraph("Top: share of KV blocks in use (at 100 % new requests wait). Middle: share of prompt "
+                            "tokens served from the prefix cache so far. Bottom: preemptions so far (requests paused "
+                            "because the KV cache ran out)."))
+    if figure:
+        blocks.append(Image("kv_over_time.png", "KV usage, prefix hit rate and preemptions over time", figure))
+    for run in runs:
+        blocks.append(Code("\n".join(pools.get(run.run_id) or ["no pool figures"]),
+                           f"KV pool of {run.label} ({run.stage} run {run.run_id})", language="text"))
+    return blocks
+
+
+# ---------------------------------------------------------------- 5. diagnoses
+
+def diagnoses_section(runs: list[RunView], diagnoses: dict[int, list[Diagnosis]]) -> list[Block]:
+    blocks: list[Block] = [Heading("5. Diagnoses"),
+                           Paragraph("The fault card's rules (F1–F8) applied to each run: what went wrong, the "
+                                     "evidence, the cause and the flag change that fixes it.")]
+    if not runs:
+        return blocks + [Paragraph("No stored run to diagnose.")]
+    for run in runs:
+        blocks.append(Heading(f"{run.label} ({run.stage} run {run.run_id})", 3))
+        found = diagnoses.get(run.run_id) or []
+        if not found:
+            blocks.append(Paragraph("No faults found: none of the rules F1–F8 fired."))
+        for d in found:
+            blocks += _diagnosis(d)
+    return blocks
+
+
+def _diagnosis(d: Diagnosis) -> list[Block]:
+    rows = [[e.metric, e.window, show(e.value), e.threshold] for e in d.evidence]
+    return [Paragraph(f"**{d.id}** ({d.severity}): {d.symptom}"),
+            Table(["evidence", "window", "value", "compared with"], rows, numeric=[False, False, True, False]),
+            Bullets([f"**Cause**: {d.cause}", f"**Fix**: {d.fix}"])]
+
+
+# ---------------------------------------------------------------- 6. capacity
+
+def capacity_section(capacity: Capacity) -> list[Block]:
+    blocks: list[Block] = [Heading("6. Capacity plan")]
+    plan = capacity.plan
+    if plan is None:
+        return blocks + [Paragraph(capacity.note)]
+    cfg = plan.config
+    blocks.append(Paragraph(
+        f"What fits in the KV cache of `{plan.model}` on `{plan.device}` at `gpu_memory_utilization` "
+        f"{cfg.gpu_memory_utilization:.2f} and `block_size` {cfg.block_size}: device memory {fmt.gib(plan.total_bytes)}"
+        f" × {cfg.gpu_memory_utilization:.2f} = {fmt.gib(plan.requested_bytes)}, minus weights "
+        f"{fmt.gib(plan.weights_bytes)}, activation peak {fmt.gib(plan.activation_bytes)} and overhead "
+        f"{fmt.gib(plan.overhead_bytes)}. Context lengths (prompt + output tokens per request) from "
+        f"{capacity.source}."))
+    names = {v: k for k, v in plan.workload_contexts.items()}
+    header = ["", *(f"auto ({plan.model_dtype})" if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
+                    for c in plan.by_dtype)]
+    rows = [["KV bytes per token", *(fmt.kib(c.kv_bytes_per_token) for c in plan.by_dtype)],
+            ["KV pool", *(fmt.gib(c.pool_bytes) for c in plan.by_dtype)],
+            ["tokens that fit", *(fmt.count(c.pool_tokens) for c in plan.by_dtype)]]
+    for context in plan.contexts:
+        label = f"requests at once, {context:,} tokens" + (f" ({names[context]})" if context in names else "")
+        rows.append([label, *(f"{c.max_concurrency[str(context)]:,.1f}" for c in plan.by_dtype)])
+    rows.append([f"requests at once if each reserved max_model_len ({cfg.max_model_len:,}) up front",
+                 *(fmt.count(c.contiguous_requests) for c in plan.by_dtype)])
+    blocks.append(Table(header, rows, numeric=[False] + [True] * len(plan.by_dtype)))
+    blocks.append(Paragraph("Paged KV blocks (vLLM, SGLang, kvengine) hold as many requests as their real length "
+                            "allows; the last row is what a server reserving the worst case per request would "
+                            "hold in the same memory. Plan for the p99 context, not the mean."))
+    return blocks
+
+
+# ---------------------------------------------------------------- 7. quality and every trial
+
+def quality_section(dtypes_used: set[str], recommended_dtype: str | None) -> list[Block]:
+    quantized = sorted(dtypes_used & set(QUANTIZED))
+    if recommended_dtype in QUANTIZED:
+        lead = (f"The recommended config stores the KV cache as `{recommended_dtype}`, 1 byte per value instead "
+                "of the model's 2: about twice the tokens fit, at a small accuracy cost.")
+    elif quantized:
+        lead = f"The search also tried quantized KV caches ({', '.join(f'`{d}`' for d in quantized)})."
+    else:
+        lead = "The search did not try a quantized KV cache; the notes below apply if you do."
+    return [Heading("7. Quality note on quantized KV caches"), Paragraph(lead), Bullets([
+        ("kvtune measures speed, not answer quality. Check quantized KV caches on your own evaluation set "
+         "before and after."),
+        ("`fp8` is `fp8_e4m3` in vLLM. vLLM's documentation reports that FP8 E4M3 KV caches typically degrade "
+         "accuracy only minimally. Without calibrated scales vLLM uses a scale of 1.0; calibrated scales "
+         "(e.g. from llm-compressor) are the recommended way to keep accuracy."),
+        "`fp8_e5m2` has more range but fewer mantissa bits than `fp8_e4m3`: it is less precise.",
+        "`int8` (per-block scales) exists only in kvengine; vLLM and SGLang do not take it.",
+        ("kvengine's tests (tests/test_model_kv_dtypes.py) compare each quantized dtype with `auto` on a small "
+         "random-weight model, feeding both the same 256 tokens: the top token must agree at ≥ 90 % of "
+         "positions for `int8`, ≥ 70 % for `fp8`/`fp8_e4m3` and ≥ 50 % for `fp8_e5m2`. A random model's "
+         "near-flat scores make this a harsh floor, not a forecast for a trained model."),
+    ])]
+
+
+def trials_section(data: ReportData) -> list[Block]:
+    info = data.info
+    extra = [value_label(info)] if info.objective == "capacity" else []  # otherwise it is goodput or throughput
+    header = ["stage", "trial", "result", *info.knobs, *extra, "goodput", "throughput",
+              *(metric_label(s.name) for s in info.slos), "note"]
+    ordered = sorted(data.trials, key=lambda t: t.number) + sorted(data.live, key=lambda m: m.number)
+    rows = [_trial_row(m, data) for m in ordered]
+    numeric = [False, True, False] + [True] * len(info.knobs) + [True] * (len(header) - 4 - len(info.knobs)) + [False]
+    return [Heading("Every trial", 3),
+            Paragraph(f"{len(data.trials)} stage-1 trials and {len(data.live)} stage-2 re-runs. "
+                      "Click a column header in the HTML report to sort."),
+            Table(header, rows, sortable=True, row_kinds=[row_kind(m) for m in ordered], numeric=numeric)]
+
+
+def _trial_row(m: Measurement, data: ReportData) -> list[str]:
+    info = data.info
+    number = "default" if m.number < 0 else str(m.number)
+    row = [m.stage, number, status(m), *(fmt.param(k, m.params.get(k, fmt.MISSING)) for k in info.knobs)]
+    figures = [value_text(info, m.value)] if info.objective == "capacity" else []
+    figures += [fmt.rps(m.goodput_rps), fmt.rps(m.throughput_rps), *(fmt.ms(m.observed.get(s.name)) for s in info.slos)]
+    row += figures if m.ok else [fmt.MISSING] * len(figures)
+    row.append(_note(m))
+    return row
+
+
+def _note(m: Measurement) -> str:
+    if m.reason:
+        return m.reason.splitlines()[0][:300]
+    if m.duplicate_of is not None:
+        return f"same config as trial {m.duplicate_of}: its measurement reused"
+    if m.failed_requests:
+        return f"{m.failed_requests} requests failed"
+    return ""

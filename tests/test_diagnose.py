@@ -1,0 +1,379 @@
+"""The fault rules, each against a sim run built to cause its fault (and a healthy run that causes none).
+
+Every run replays in virtual time on the bundled engine core in well under 2 s.
+The expected fixes are recomputed here from the run and kvengine.memory, never
+copied from the rule's output.
+"""
+import dataclasses
+import math
+from functools import cache
+
+import numpy as np
+import pytest
+
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.memory import max_concurrency, plan_memory
+from kvtune.diagnose import INSUFFICIENT_DATA, Thresholds, diagnose
+from kvtune.diagnose.report import format_diagnoses
+from kvtune.results import RunResult
+from kvtune.targets import SimTarget, TargetStartError
+from kvtune.targets.sim import config_dict
+from kvtune.workload import IntDist, SynthSpec, TraceRequest, Workload, synthesize
+
+
+def sim(config: EngineConfig, workload: Workload, model="llama-3-8b", device="h100-80gb") -> RunResult:
+    return SimTarget(model_preset(model), device_preset(device)).run(config, workload)
+
+
+def fired(result: RunResult, **thresholds) -> dict:
+    return {d.id: d for d in diagnose(result, Thresholds(**thresholds))}
+
+
+def evidence(diagnosis, metric_start: str):
+    return next(e for e in diagnosis.evidence if e.metric.startswith(metric_start))
+
+
+def p99_context(result: RunResult) -> float:
+    return float(np.percentile([r.prompt_tokens + r.output_tokens for r in result.requests if r.ok], 99))
+
+
+# -- the runs ------------------------------------------------------------------
+
+@cache
+def healthy_run() -> RunResult:
+    """Two shared system prompts, light load, a big pool: nothing to find."""
+    spec = SynthSpec(num_requests=80, rate=4, system_prompts=2, system_prompt_len=1024,
+                     input_len=IntDist.fixed(256), output_len=IntDist.fixed(64))
+    return sim(EngineConfig(), synthesize(spec))
+
+
+@cache
+def long_prompts_into_full_pool() -> RunResult:
+    """F1: a stream of 600-token requests keeps an 8,000-token pool near full; 3,000-token prompts
+    arriving into it wait at the head of the queue while the queue grows behind them."""
+    rng = np.random.default_rng(0)
+    arrivals = np.cumsum(rng.exponential(0.04, 200))
+    requests = [TraceRequest(float(t), 600, 50) for t in arrivals]
+    requests += [TraceRequest(1.0 + k, 3000, 20) for k in range(6)]
+    requests.sort(key=lambda r: r.arrival_s)
+    config = EngineConfig(num_gpu_blocks_override=500, max_model_len=4096, max_num_seqs=64)
+    return sim(config, Workload(requests, 16))
+
+
+@cache
+def growing_contexts() -> RunResult:
+    """F2: 96 requests decode 3,000 tokens each from 1,000-token prompts: every step reads more K/V."""
+    requests = [TraceRequest(i * 0.01, 1000, 3000) for i in range(96)]
+    return sim(EngineConfig(), Workload(requests, 16))
+
+
+@cache
+def load_ramp_on_mha_model() -> RunResult:
+    """F3: arrivals speed up 8× on Llama-2-7B (32 K/V heads: 512 KiB per token): running requests
+    grow but tokens/s does not follow, each step reads their K/V."""
+    gaps = 2.0 - 1.75 * np.arange(60) / 60
+    requests = [TraceRequest(float(t), 1500, 1500) for t in np.cumsum(gaps)]
+    return sim(EngineConfig(), Workload(requests, 16), model="llama-2-7b")
+
+
+@cache
+def unique_prompts() -> RunResult:
+    """F4 as a template problem: no two prompts share a prefix."""
+    spec = SynthSpec(num_requests=80, rate=4, input_len=IntDist.fixed(1024), output_len=IntDist.fixed(64))
+    return sim(EngineConfig(), synthesize(spec))
+
+
+@cache
+def shared_prefixes_tiny_pool() -> RunResult:
+    """F4 as thrash: 12 shared 1,024-token system prompts, a pool of 4,800 tokens."""
+    spec = SynthSpec(num_requests=120, rate=8, system_prompts=12, system_prompt_len=1024,
+                     input_len=IntDist.fixed(128), output_len=IntDist.fixed(64))
+    return sim(EngineConfig(num_gpu_blocks_override=300, max_model_len=2048), synthesize(spec))
+
+
+def preemption_config(max_num_seqs=256) -> EngineConfig:
+    return EngineConfig(num_gpu_blocks_override=400, max_num_seqs=max_num_seqs, max_model_len=2048)
+
+
+def preemption_workload() -> Workload:
+    spec = SynthSpec(num_requests=100, rate=20, system_prompts=1, system_prompt_len=64,
+                     input_len=IntDist.fixed(448), output_len=IntDist.fixed(256))
+    return synthesize(spec)
+
+
+@cache
+def preemption_run() -> RunResult:
+    """F6: max_num_seqs 256 over a 400-block pool that holds 8 requests at their full context."""
+    return sim(preemption_config(), preemption_workload())
+
+
+@cache
+def agent_sessions(prefix_caching: bool) -> RunResult:
+    """F7: 10 agent sessions of 8 calls, each resending a 2,048-token shared context and its history."""
+    spec = SynthSpec(num_requests=80, rate=1, turns=IntDist.fixed(8), think_time_s=1.0, system_prompts=1,
+                     system_prompt_len=2048, input_len=IntDist.fixed(256), output_len=IntDist.fixed(64))
+    return sim(EngineConfig(enable_prefix_caching=prefix_caching), synthesize(spec))
+
+
+@cache
+def long_tail_contexts() -> RunResult:
+    """F8: one request in ten has a 14,000-token prompt; 100 arrive in 5 s onto a 96,000-token pool."""
+    rng = np.random.default_rng(1)
+    arrivals = np.cumsum(rng.exponential(0.05, 100))
+    requests = [TraceRequest(float(t), 14000 if rng.random() < 0.1 else 1500, 300) for t in arrivals]
+    config = EngineConfig(max_model_len=16384, num_gpu_blocks_override=6000)
+    return sim(config, Workload(requests, 16), model="qwen2.5-7b")
+
+
+# -- healthy and insufficient --------------------------------------------------
+
+def test_a_healthy_run_fires_no_rule():
+    assert diagnose(healthy_run()) == []
+
+
+def test_too_few_requests_is_insufficient_data_not_a_guess():
+    result = sim(EngineConfig(), Workload([TraceRequest(i * 0.1, 500, 20) for i in range(3)], 16))
+    [only] = diagnose(result)
+    assert only.id == INSUFFICIENT_DATA and only.severity == "info"
+    gap = evidence(only, "completed requests")
+    assert gap.value == 3 and gap.threshold == ">= 20"
+
+
+def test_a_run_without_series_is_insufficient_data():
+    result = RunResult("url", "m", "unknown", {}, {}, [], {"time": [], "duration": []}, 0.0)
+    [only] = diagnose(result)
+    assert only.id == INSUFFICIENT_DATA and only.evidence[0].metric == "server series"
+
+
+def test_every_run_replays_in_under_two_seconds():
+    for run in (healthy_run, long_prompts_into_full_pool, growing_contexts, load_ramp_on_mha_model,
+                unique_prompts, shared_prefixes_tiny_pool, preemption_run, long_tail_contexts):
+        assert run().wall_s < 2.0, run.__name__
+
+
+# -- F1 ------------------------------------------------------------------------
+
+def test_f1_long_prompts_into_a_nearly_full_pool():
+    result = long_prompts_into_full_pool()
+    f1 = fired(result)["F1"]
+    blocked = evidence(f1, "vllm:kv_cache_usage_perc with num_requests_waiting")
+    assert blocked.value >= 0.1
+    start, peak = map(float, evidence(f1, "vllm:num_requests_waiting").value.split(" → "))
+    assert peak - start >= 2
+    ttft = evidence(f1, "TTFT p95")
+    assert ttft.value == pytest.approx(result.summary["ttft_p95"], rel=1e-3)
+    assert f1.severity == ("critical" if ttft.value > 1.0 else "warning")
+    # The pool was 500 blocks of 16 tokens; fp8 K/V doubles it.
+    assert "`--kv-cache-dtype auto → fp8` (pool 8,000 → 16,000 tokens)" in f1.fix
+
+
+# -- F2 ------------------------------------------------------------------------
+
+def test_f2_itl_grows_with_context():
+    result = growing_contexts()
+    found = fired(result)
+    f2 = found["F2"]
+    trend = evidence(f2, "ITL p95 (clients) by context quartile")
+    low, high = (float(v.removesuffix(" ms")) for v in trend.value.split(" → "))
+    assert high / low >= 1.5
+    assert evidence(f2, "vllm:kv_cache_usage_perc peak").value >= 0.5
+    assert f2.fix.startswith("`--kv-cache-dtype auto → fp8`")
+    assert "F3" not in found  # running stays at 96: it is context, not load, that slows the decode
+
+
+def test_f2_does_not_fire_when_the_threshold_asks_for_more_growth():
+    assert "F2" not in fired(growing_contexts(), itl_growth=10.0)
+
+
+# -- F3 ------------------------------------------------------------------------
+
+def test_f3_running_grows_but_tokens_per_second_does_not():
+    result = load_ramp_on_mha_model()
+    found = fired(result)
+    f3 = found["F3"]
+    run_low, run_high = map(float, evidence(f3, "vllm:num_requests_running").value.split(" → "))
+    tps_low, tps_high = (float(v.replace(",", "")) for v in evidence(f3, "generation tokens/s").value.split(" → "))
+    assert run_high / run_low >= 1.5
+    assert math.log(tps_high / tps_low) / math.log(run_high / run_low) <= 0.5
+    assert "--max-num-seqs 1024 → " in f3.fix
+    knee = int(f3.fix.split("--max-num-seqs 1024 → ")[1].split("`")[0])
+    assert 1 <= knee <= max(result.series["num_running"])
+    assert "F2" not in found and "F6" not in found
+
+
+def test_f3_shows_nvml_utilisation_where_a_gpu_was_sampled():
+    result = load_ramp_on_mha_model()
+    steps = len(result.series["time"])
+    with_gpu = dataclasses.replace(result, series=result.series | {"gpu_utilization": [95.0] * steps})
+    f3 = fired(with_gpu)["F3"]
+    busy = evidence(f3, "NVML GPU utilisation")
+    assert 0 < busy.value <= 95.0 and busy.threshold == ">= 80 looks busy"
+
+
+# -- F4 ------------------------------------------------------------------------
+
+def test_f4_unique_prompts_are_a_template_problem():
+    f4 = fired(unique_prompts())["F4"]
+    assert f4.severity == "info" and "do not share stable prefixes" in f4.cause
+    assert evidence(f4, "ideal hit rate").value == 0.0
+    assert evidence(f4, "vllm:prefix_cache_hits").value == 0.0
+    assert f4.fix.startswith("stabilise the prompt template")
+
+
+def test_f4_shared_prefixes_in_a_tiny_pool_are_thrash():
+    result = shared_prefixes_tiny_pool()
+    f4 = fired(result)["F4"]
+    observed, ideal = evidence(f4, "vllm:prefix_cache_hits").value, evidence(f4, "ideal hit rate").value
+    assert ideal == pytest.approx(result.workload["ideal_prefix_hit_rate"], abs=1e-3) and ideal >= 0.3
+    assert observed < 0.5 * ideal
+    assert "capacity thrash" in f4.cause and f4.severity == "warning"
+    assert evidence(f4, "distinct prompt blocks").value > 300 * 16
+    assert "`--kv-cache-dtype auto → fp8` (pool 4,800 → 9,600 tokens)" in f4.fix
+
+
+# -- F5 ------------------------------------------------------------------------
+
+def failed_start(config: EngineConfig, model="llama-3-8b", device="h100-80gb") -> tuple[RunResult, str]:
+    with pytest.raises(TargetStartError) as info:
+        sim(config, Workload([TraceRequest(0.0, 10, 1)], 16), model, device)
+    return RunResult("sim", model, device, config_dict(config), {}, [], {}, 0.0), str(info.value)
+
+
+def starts(config: EngineConfig) -> bool:
+    try:
+        sim(config, Workload([TraceRequest(0.0, 10, 1)], 16))
+    except TargetStartError:
+        return False
+    return True
+
+
+def test_f5_weights_that_do_not_fit_get_the_smallest_utilisation_that_starts():
+    result, error = failed_start(EngineConfig(gpu_memory_utilization=0.15))
+    [f5] = diagnose(result, error=error)
+    assert f5.id == "F5" and f5.severity == "critical"
+    assert evidence(f5, "start error").value.startswith("The model weights")
+    assert evidence(f5, "gpu_memory_utilization").value == 0.15
+    target = float(f5.fix.split("--gpu-memory-utilization 0.15 → ")[1].split("`")[0])
+    assert starts(EngineConfig(gpu_memory_utilization=target))
+    assert not starts(EngineConfig(gpu_memory_utilization=round(target - 0.01, 2)))
+
+
+def test_f5_a_pool_too_small_for_max_model_len_gets_the_length_it_holds():
+    result, error = failed_start(EngineConfig(gpu_memory_utilization=0.23))
+    [f5] = diagnose(result, error=error)
+    assert "To serve at least one request" in evidence(f5, "start error").value
+    target = int(f5.fix.split("--max-model-len 8192 → ")[1].split("`")[0])
+    assert target % 16 == 0
+    assert starts(EngineConfig(gpu_memory_utilization=0.23, max_model_len=target))
+    assert not starts(EngineConfig(gpu_memory_utilization=0.23, max_model_len=target + 16 * 64))
+
+
+def test_f5_a_cuda_oom_lowers_utilisation_and_the_batch_budget():
+    result = RunResult("vllm", "some/model", "unknown",
+                       {"gpu_memory_utilization": 0.97, "max_num_batched_tokens": 16384}, {}, [], {}, 0.0)
+    [f5] = diagnose(result, error="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert evidence(f5, "gpu_memory_utilization").value == 0.97
+    assert "`--gpu-memory-utilization 0.97 → 0.9`" in f5.fix
+    assert "`--max-num-batched-tokens 16384 → 8192`" in f5.fix
+
+
+def test_a_failed_run_for_another_reason_is_not_f5():
+    result = RunResult("vllm", "m", "unknown", {}, {}, [], {}, 0.0)
+    [only] = diagnose(result, error="error: unrecognized arguments: --frobnicate")
+    assert only.id == INSUFFICIENT_DATA
+
+
+# -- F6 ------------------------------------------------------------------------
+
+def test_f6_max_num_seqs_far_above_what_the_pool_holds():
+    result = preemption_run()
+    f6 = fired(result)["F6"]
+    assert f6.severity == "critical"
+    assert evidence(f6, "vllm:num_preemptions_total").value == result.summary["preemptions"] >= 5
+    assert evidence(f6, "windows with preemptions").value >= 0.25
+    assert evidence(f6, "vllm:kv_cache_usage_perc peak").value >= 0.95
+    fit = int(max_concurrency(400, 16, math.ceil(p99_context(result))))
+    assert f6.fix.startswith(f"`--max-num-seqs 256 → {fit}`")
+    # The fix works: at that max_num_seqs the same workload is not preempted.
+    rerun = sim(preemption_config(max_num_seqs=fit), preemption_workload())
+    assert rerun.summary["preemptions"] == 0 and "F6" not in fired(rerun)
+
+
+def test_f6_respects_its_thresholds():
+    assert "F6" not in fired(preemption_run(), min_preemptions=10_000)
+
+
+# -- F7 ------------------------------------------------------------------------
+
+def test_f7_agent_sessions_re_prefill_their_context_on_every_call():
+    result = agent_sessions(prefix_caching=False)
+    f7 = fired(result)["F7"]
+    assert evidence(f7, "calls per session").value == 8.0
+    assert evidence(f7, "prompt tokens per request").value >= 1024
+    assert evidence(f7, "cached prompt tokens per request").value == 0
+    assert f7.fix.startswith("`--enable-prefix-caching off → on`")
+    # With caching on, each call is served its shared context from the cache: no F7.
+    again = agent_sessions(prefix_caching=True)
+    assert "F7" not in fired(again)
+    assert again.summary["ttft_mean"] < result.summary["ttft_mean"] / 2
+
+
+# -- F8 ------------------------------------------------------------------------
+
+def test_f8_p99_context_times_peak_running_exceeds_the_pool():
+    result = long_tail_contexts()
+    f8 = fired(result)["F8"]
+    demand = evidence(f8, "p99 context × peak running")
+    assert demand.value == int(p99_context(result) * max(result.series["num_running"]))
+    assert demand.value > 6000 * 16
+    assert "pool 96,000 tokens" in demand.threshold
+    assert evidence(f8, "vllm:num_preemptions_total").value >= 5
+    assert f8.fix.startswith("`--kv-cache-dtype auto → fp8` (pool 96,000 → 192,000 tokens)")
+    assert "--tensor-parallel-size 1 → " in f8.fix
+
+
+def test_f8_pool_from_presets_matches_kvengine_memory_plan():
+    """Without an override, the pool the rules use is the one kvengine sized for the run."""
+    result = growing_contexts()
+    cfg = EngineConfig(**{k: v for k, v in result.config.items() if k != "extra"})
+    plan = plan_memory(model_preset("llama-3-8b"), device_preset("h100-80gb"), cfg)
+    from kvtune.diagnose.pool import pool_of
+    assert pool_of(result).tokens == plan.num_tokens
+
+
+# -- live-shaped series --------------------------------------------------------
+
+def as_scrapes(result: RunResult, interval_s: float = 1.0) -> RunResult:
+    """The sim run as a scraper would have seen it: gauges sampled, counters summed per interval."""
+    s = {k: np.asarray(v, dtype=float) for k, v in result.series.items()}
+    edges = np.arange(0.0, s["time"][-1] + interval_s, interval_s)
+    index = np.searchsorted(s["time"], edges, side="right") - 1
+    series = {"time": list(edges), "duration": [0.0] + [interval_s] * (len(edges) - 1)}
+    for gauge in ("num_running", "num_waiting", "kv_usage"):
+        series[gauge] = [float(s[gauge][i]) if i >= 0 else 0.0 for i in index]
+    cumulative = {c: np.concatenate([[0.0], np.cumsum(s[c])]) for c in
+                  ("num_preemptions", "prefix_queries", "prefix_hits", "generation_tokens")}
+    for name, totals in cumulative.items():
+        series[name] = list(np.diff(totals[index + 1], prepend=0.0))
+    ends = [r.arrival_s + r.e2e_s for r in result.requests if r.ok]
+    series["requests_finished"] = list(np.diff(np.searchsorted(np.sort(ends), edges, side="right"), prepend=0))
+    return dataclasses.replace(result, series=series, requests=[])
+
+
+@pytest.mark.parametrize("run, faults", [
+    (preemption_run, {"F1", "F6"}), (growing_contexts, {"F2"}), (load_ramp_on_mha_model, {"F3"}),
+    (shared_prefixes_tiny_pool, {"F4", "F6"}), (long_tail_contexts, {"F8"}),
+])
+def test_rules_read_per_scrape_series_like_per_step_ones(run, faults):
+    """Without client samples (as when watching a server), from series sampled once a second."""
+    assert faults <= set(fired(as_scrapes(run())))
+
+
+def test_a_healthy_run_seen_as_scrapes_fires_no_rule():
+    assert fired(as_scrapes(healthy_run())) == {}
+
+
+def test_the_table_lists_critical_first_with_evidence_and_fix():
+    text = format_diagnoses(diagnose(preemption_run()))
+    assert text.index("CRITICAL") < text.index("INFO")
+    assert "metric" in text and "threshold" in text and "fix:   `--max-num-seqs 256 → " in text

@@ -1,0 +1,167 @@
+"""`kvtune diagnose`: a stored run end to end (diagnoses stored back), a failed run, a live server
+watched over its /metrics, and the exit codes on bad input."""
+import argparse
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from serverproc import ServerProcess, free_port, scrape
+from test_diagnose import failed_start, healthy_run, preemption_run
+
+from kvengine.config import EngineConfig
+from kvtune.diagnose.cli import add_diagnose_command
+from kvtune.store import Store
+
+
+def kvtune_diagnose(*argv) -> int:
+    """`kvtune diagnose ARGV` through the command's own argparse wiring."""
+    parser = argparse.ArgumentParser(prog="kvtune")
+    add_diagnose_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["diagnose", *argv])
+    return args.func(args)
+
+
+def last_json(capsys) -> dict:
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def db(tmp_path):
+    return f"sqlite:///{tmp_path / 'runs.db'}"
+
+
+def test_a_stored_run_is_diagnosed_and_its_diagnoses_stored(db, capsys):
+    store = Store(db)
+    run_id = store.save_run(preemption_run())
+    assert kvtune_diagnose("--run", str(run_id), "--db", db, "--json") == 0
+    out = capsys.readouterr().out
+    assert out.index("CRITICAL  F6") < out.index("INFO")
+    assert "KV pool      6,400 tokens = 400 blocks of 16" in out
+    assert "contiguous   reserving max_model_len (2,048)" in out
+    report = json.loads(out.strip().splitlines()[-1])
+    ids = [d["id"] for d in report["diagnoses"]]
+    assert report["run_id"] == run_id and "F6" in ids
+    f6 = next(d for d in report["diagnoses"] if d["id"] == "F6")
+    assert {"metric", "window", "value", "threshold"} <= set(f6["evidence"][0])
+    stored = store.load_diagnoses(run_id)
+    assert [d.fault_id for d in stored] == ids
+    assert stored[ids.index("F6")].fix == f6["fix"]
+
+
+def test_a_healthy_run_exits_0_with_no_diagnoses(db, capsys):
+    run_id = Store(db).save_run(healthy_run())
+    assert kvtune_diagnose("--run", str(run_id), "--db", db, "--json") == 0
+    assert last_json(capsys)["diagnoses"] == []
+
+
+def test_a_failed_start_is_diagnosed_from_its_error_and_config(db, capsys):
+    result, error = failed_start(EngineConfig(gpu_memory_utilization=0.15))
+    store = Store(db)
+    run_id = store.start_run("sim", result.model, result.device, config=result.config)
+    store.mark_run(run_id, "failed", error)
+    assert kvtune_diagnose("--run", str(run_id), "--db", db, "--json") == 0
+    [f5] = last_json(capsys)["diagnoses"]
+    assert f5["id"] == "F5" and "--gpu-memory-utilization 0.15 → " in f5["fix"]
+    assert store.load_diagnoses(run_id)[0].fault_id == "F5"
+
+
+def test_an_unknown_run_id_exits_2(db, capsys):
+    Store(db)
+    assert kvtune_diagnose("--run", "4242", "--db", db) == 2
+    assert "no run 4242" in capsys.readouterr().err
+
+
+def test_an_unreachable_url_exits_2(capsys):
+    assert kvtune_diagnose("--url", f"http://127.0.0.1:{free_port()}", "--duration", "1") == 2
+    assert "cannot watch" in capsys.readouterr().err
+
+
+def test_a_bad_threshold_exits_2(db, capsys):
+    run_id = Store(db).save_run(healthy_run())
+    assert kvtune_diagnose("--run", str(run_id), "--db", db, "--threshold", "no_such=1") == 2
+    assert "NAME=VALUE" in capsys.readouterr().err
+
+
+def test_thresholds_from_the_command_line_change_the_verdict(db, capsys):
+    run_id = Store(db).save_run(preemption_run())
+    assert kvtune_diagnose("--run", str(run_id), "--db", db, "--json", "--threshold", "min_preemptions=100000") == 0
+    assert "F6" not in [d["id"] for d in last_json(capsys)["diagnoses"]]
+
+
+def send_traffic(url: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
+    """`clients` loops of distinct 150-token prompts asking for 64 tokens each."""
+    def loop(client: int):
+        with httpx.Client(base_url=url, timeout=30) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            i = 0
+            while not stop.is_set():
+                prompt = [1000 + (client * 7919 + i * 131 + k * 7) % 28000 for k in range(150)]
+                http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 64})
+                i += 1
+    threads = [threading.Thread(target=loop, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def wait_for_preemptions(url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if scrape(url).get("vllm:num_preemptions_total", 0) > 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no preemptions on {url} within {timeout_s} s")
+
+
+@pytest.mark.slow
+def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(capsys):
+    """12 clients against a 100-block pool on the bundled engine (sim executor, wall clock)."""
+    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
+                           "--num-gpu-blocks-override", "100", "--max-model-len", "1024")
+    stop = threading.Event()
+    try:
+        threads = send_traffic(server.url, 12, stop)
+        wait_for_preemptions(server.url)  # watch the steady state, not the ramp-up
+        assert kvtune_diagnose("--url", server.url, "--duration", "3", "--interval", "0.5", "--json") == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        server.stop()
+    out = capsys.readouterr().out
+    assert "the server's vllm:cache_config_info" in out  # the pool size came from the server itself
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["url"] == server.url
+    f6 = next((d for d in report["diagnoses"] if d["id"] == "F6"), None)
+    assert f6 is not None, out
+    preemptions = next(e for e in f6["evidence"] if e["metric"] == "vllm:num_preemptions_total")
+    assert preemptions["value"] >= 5
+    assert "`--max-num-seqs current → " in f6["fix"]  # a server we did not start: its max_num_seqs is unknown
+
+
+def test_kvtune_main_runs_diagnose_once_wired(db, capsys):
+    from kvtune import cli
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if "diagnose" not in commands:
+        pytest.skip("`kvtune diagnose` is not wired into kvtune/cli.py yet (add_diagnose_command)")
+    run_id = Store(db).save_run(preemption_run())
+    assert cli.main(["diagnose", "--run", str(run_id), "--db", db, "--json"]) == 0
+    assert "F6" in [d["id"] for d in last_json(capsys)["diagnoses"]]
+
+
+def test_nvml_samples_line_up_with_the_scrapes():
+    from kvtune.diagnose.watch import gpu_series_at_scrapes
+    from kvtune.gpu import GpuLog, GpuSample
+    from kvtune.scrape import ScrapeLog, Snapshot
+
+    log = ScrapeLog([Snapshot(t=100.0 + i) for i in range(4)])
+    gpu = GpuLog("1 GPU", [GpuSample(0, "H100", used, 80 << 30, util, None, t)
+                           for t, used, util in ((100.5, 10 << 30, 50.0), (101.5, 20 << 30, 90.0))])
+    series = gpu_series_at_scrapes(gpu, log)
+    assert series["gpu_utilization"] == [None, 50.0, 90.0, 90.0]  # the latest sample at or before each scrape
+    assert series["gpu_memory_used"] == [None, 10 << 30, 20 << 30, 20 << 30]
+    assert series["gpu_memory_total"][-1] == 80 << 30

@@ -1,0 +1,139 @@
+"""The capacity planner against the fault card's worked examples, and `kvtune plan`'s flags and JSON."""
+import argparse
+import json
+
+import pytest
+
+from kvengine.config import GiB, EngineConfig, device_preset, model_preset
+from kvengine.memory import plan_memory
+from kvtune.plan import custom_model, plan_capacity, workload_contexts
+from kvtune.plan_cli import add_plan_command
+from kvtune.workload import TraceRequest, Workload, write_workload
+
+KiB = 1 << 10
+
+
+def kvtune_plan(*argv) -> int:
+    parser = argparse.ArgumentParser(prog="kvtune")
+    add_plan_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def plan_json(capsys, *argv) -> dict:
+    assert kvtune_plan(*argv, "--json") == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+SEVEN_B = ("--layers", "32", "--kv-heads", "32", "--head-dim", "128", "--dtype", "float16")
+
+
+def test_worked_example_7b_mha_on_80_gib():
+    """512 KiB per token; 80 GiB × 0.9 − 14 GiB weights − 4 GiB set aside = 54 GiB → ~110k tokens →
+    27 requests of 4,096 tokens."""
+    model = custom_model(32, 32, 128, "float16", weights_bytes=14 * GiB)
+    device = device_preset("h100-80gb")
+    plan = plan_capacity(model, device, EngineConfig(gpu_memory_utilization=0.9, max_model_len=4096), [4096],
+                         reserve_bytes=4 * GiB)
+    auto, fp8 = plan.by_dtype
+    assert auto.kv_bytes_per_token == 512 * KiB
+    assert auto.pool_bytes == 54 * GiB
+    assert auto.pool_tokens == 54 * GiB // (512 * KiB) == 110_592
+    assert int(auto.max_concurrency["4096"]) == 27
+    # fp8 stores one byte per element: half the bytes, twice the tokens and requests.
+    assert fp8.kv_bytes_per_token == 256 * KiB and fp8.pool_tokens == 2 * auto.pool_tokens
+    assert int(fp8.max_concurrency["4096"]) == 54
+
+
+def test_llama_3_8b_in_bf16_needs_128_kib_per_token():
+    plan = plan_capacity(model_preset("llama-3-8b"), device_preset("h100-80gb"), EngineConfig(), [8192])
+    assert plan.primary.kv_bytes_per_token == 128 * KiB
+    assert plan.by_dtype[1].kv_bytes_per_token == 64 * KiB
+
+
+def test_the_pool_is_kvengine_memory_plan():
+    model, device = model_preset("llama-3-8b"), device_preset("h100-80gb")
+    plan = plan_capacity(model, device, EngineConfig(gpu_memory_utilization=0.85), [4096])
+    engine = plan_memory(model, device, EngineConfig(gpu_memory_utilization=0.85))
+    assert plan.primary.num_gpu_blocks == engine.num_gpu_blocks
+    assert plan.primary.pool_tokens == engine.num_tokens
+    assert plan.primary.max_concurrency["4096"] == engine.max_concurrency(4096)
+    assert plan.activation_bytes == engine.activation_bytes and plan.overhead_bytes == engine.overhead_bytes
+
+
+def test_contiguous_reservation_holds_fewer_requests_than_paged():
+    plan = plan_capacity(model_preset("llama-3-8b"), device_preset("h100-80gb"), EngineConfig(), [1024, 8192])
+    auto = plan.primary
+    assert auto.contiguous_requests == (auto.num_gpu_blocks - 1) // (8192 // 16)
+    assert auto.contiguous_requests < auto.max_concurrency["1024"]
+
+
+def test_workload_contexts_are_input_plus_output_percentiles():
+    workload = Workload([TraceRequest(i, 1000 + i, 100) for i in range(100)])
+    contexts = workload_contexts(workload)
+    assert contexts["p50"] == 1150 and contexts["p99"] == 1199
+
+
+def test_cli_json_keys_for_the_worked_example(capsys):
+    out = plan_json(capsys, *SEVEN_B, "--weights-gib", "14", "--device-memory", "80GiB",
+                    "--gpu-memory-utilization", "0.9", "--reserve-gib", "4", "--context", "4096")
+    assert {"kv_bytes_per_token", "pool_bytes", "pool_tokens", "max_concurrency"} <= set(out)
+    assert out["kv_bytes_per_token"] == 512 * KiB
+    assert out["pool_bytes"] == 54 * GiB and out["pool_tokens"] == 110_592
+    assert out["max_concurrency"] == {"4096": 27.0}
+    assert out["by_dtype"]["fp8"]["pool_tokens"] == 221_184
+
+
+def test_cli_table_shows_dtypes_side_by_side(capsys):
+    assert kvtune_plan("--preset", "llama-3-8b", "--device", "h100-80gb", "--context", "4096",
+                       "--context", "32768") == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "auto (bfloat16)" in line)
+    assert header.index("auto (bfloat16)") < header.index("fp8")
+    assert "KV bytes per token" in out and "128 KiB" in out and "64 KiB" in out
+    assert "requests at 32,768 tokens" in out and "contiguous at max_model_len 8,192" in out
+
+
+def test_cli_workload_adds_its_percentiles(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_workload(Workload([TraceRequest(i, 2000 + 10 * i, 500) for i in range(100)]), str(path))
+    out = plan_json(capsys, "--preset", "llama-3-8b", "--workload", str(path), "--context", "4096")
+    contexts = out["workload_contexts"]
+    assert set(contexts) == {"p50", "p95", "p99"}
+    assert set(out["max_concurrency"]) == {"4096", *map(str, contexts.values())}
+
+
+def test_cli_device_memory_overrides_a_preset_device(capsys):
+    small = plan_json(capsys, "--preset", "llama-3-8b", "--device", "h100-80gb", "--device-memory", "40GiB")
+    full = plan_json(capsys, "--preset", "llama-3-8b", "--device", "h100-80gb")
+    assert small["memory"]["total_bytes"] == 40 * GiB
+    assert small["pool_tokens"] < full["pool_tokens"]
+
+
+def test_cli_hf_config(tmp_path, capsys):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+              "torch_dtype": "bfloat16", "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_hf = plan_json(capsys, "--hf-config", str(tmp_path / "config.json"), "--context", "8192")
+    preset = plan_json(capsys, "--preset", "llama-3-8b", "--context", "8192")
+    assert from_hf["kv_bytes_per_token"] == 128 * KiB
+    assert from_hf["pool_tokens"] == preset["pool_tokens"]
+
+
+def test_cli_a_model_that_does_not_fit_exits_1(capsys):
+    assert kvtune_plan("--preset", "llama-3-70b", "--device", "a10-24gb", "--json") == 1
+    captured = capsys.readouterr()
+    assert "does not fit" in captured.err and "error" in json.loads(captured.out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [
+    ("--preset", "llama-3-8b", "--layers", "32", "--kv-heads", "8", "--head-dim", "128"),
+    ("--layers", "32", "--kv-heads", "8"),
+    ("--preset", "no-such-model"),
+    ("--kv-cache-dtype", "fp4"),
+])
+def test_cli_bad_input_exits_2(argv, capsys):
+    assert kvtune_plan(*argv) == 2
+    assert capsys.readouterr().err.startswith("error: ")

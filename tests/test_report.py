@@ -1,0 +1,256 @@
+"""`kvtune report`: real studies (Stage1 on the sim target, stage 2 re-runs) turned into Markdown + HTML."""
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import optuna
+import pytest
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.flags import add_engine_flags, add_model_flags, config_from_args
+
+from kvtune.report import ReportError, add_report_command, write_report
+from kvtune.search import (
+    Objective,
+    Stage1,
+    load_space,
+    open_storage,
+    open_study,
+    parse_slo,
+    ranked_trials,
+)
+from kvtune.search.stage2 import Candidate, default_params, representable, run_stage2
+from kvtune.store import Store
+from kvtune.targets import SimTarget
+from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
+
+PRESET, DEVICE = "llama-3-8b", "h100-80gb"
+SPACE = ["block_size=16,32", "kv_cache_dtype=auto,fp8", "max_num_seqs=4:64:log", "gpu_memory_utilization=0.85:0.95:0.05"]
+BASE = EngineConfig(max_model_len=4096)
+
+
+def workload():
+    """Shared system prompts (so prefix caching shows) at a rate where few running seqs means queueing."""
+    return synthesize(SynthSpec(num_requests=80, rate=30.0, input_len=IntDist.uniform(200, 1200),
+                                output_len=IntDist.uniform(32, 128), system_prompts=2, system_prompt_len=1024,
+                                seed=1))
+
+
+def build_study(tmp_path, name, slos=("ttft_p95=500ms",), trials=8, objective="goodput", space=SPACE,
+                stage2=True, top_k=2):
+    """What `kvtune search` does, through the same functions, with the sim target playing the live one too."""
+    db = f"sqlite:///{tmp_path}/{name}.db"
+    parsed = tuple(parse_slo(s) for s in slos)
+    obj = Objective(objective, parsed)
+    sp = load_space(None, list(space))
+    store = Store(db)
+    attrs = {"workload": str(tmp_path / "absent.jsonl"), "preset": PRESET, "device": DEVICE,
+             "slos": [str(s) for s in parsed], "space": {k.name: "" for k in sp.knobs}, "latency": "ttft_p95"}
+    study = open_study(open_storage(db), name, obj, "tpe", 0, attrs)
+    target = SimTarget(model_preset(PRESET), device_preset(DEVICE))
+    stage1 = Stage1(study, sp, BASE, obj, target.run, workload(), store, trials)
+    dflt = default_params(sp, BASE.resolve(model_preset(PRESET), device_preset(DEVICE)))
+    if representable(sp, dflt):
+        stage1.enqueue(dflt)
+    stage1.optimize()
+    if stage2:
+        ranked = ranked_trials(study, obj)
+        candidates = [Candidate(f"trial {t.number}", t.number, dict(t.params)) for t in ranked[:top_k]]
+        candidates.append(Candidate("default", -1, dflt))
+        run_stage2(target.run, candidates, sp, BASE, workload(), obj, store, name)
+    store.close()
+    return db, study
+
+
+@pytest.fixture(scope="module")
+def two_stage(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two_stage")
+    db, study = build_study(tmp, "two", trials=12)
+    md, html = write_report(db, "two", str(tmp / "out"))
+    return db, study, md, html
+
+
+@pytest.fixture(scope="module")
+def hopeless(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hopeless")
+    db, study = build_study(tmp, "hopeless", slos=("ttft_p95=1ms",), trials=5, stage2=False)
+    md, html = write_report(db, "hopeless", str(tmp / "out"))
+    return db, study, md, html
+
+
+def code_blocks(md_text: str) -> list[list[str]]:
+    """Each ```bash block as argv (continuation lines joined)."""
+    blocks = re.findall(r"```bash\n(.*?)\n```", md_text, re.DOTALL)
+    return [shlex.split(b.replace("\\\n", " ")) for b in blocks if not b.startswith("export")]
+
+
+def command(md_text: str, first_word: str) -> list[str]:
+    return next(argv for argv in code_blocks(md_text) if argv[0] == first_word)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def best_live(db, name):
+    rows = [r for r in Store(db).list_trials(name, stage="live") if r.state == "COMPLETE"
+            and all(v <= 0 for v in (r.constraints or {}).values())]
+    return max(rows, key=lambda r: r.values[0])
+
+
+def section(md_text: str, title: str) -> str:
+    start = md_text.index(title)
+    nxt = md_text.find("\n## ", start + len(title))
+    return md_text[start:] if nxt < 0 else md_text[start:nxt]
+
+
+def test_writes_markdown_with_its_figures_and_a_self_contained_html(two_stage):
+    _, _, md, html = two_stage
+    text = md.read_text()
+    for png in re.findall(r"!\[[^]]*\]\(([^)]+)\)", text):
+        assert (md.parent / png).read_bytes().startswith(b"\x89PNG")
+    assert {"history.png", "tradeoff.png", "importance.png", "kv_over_time.png"} <= {
+        p.name for p in md.parent.glob("*.png")}
+    page = html.read_text()
+    links = re.findall(r"""(?:src|href)\s*=\s*["']?([^"'\s>]+)""", page, re.IGNORECASE)
+    assert links and all(link.startswith("data:") for link in links)
+    assert "<link" not in page and page.count("data:image/png;base64,") == text.count("](")
+    assert 'class="sortable"' in page and "<script>" in page
+    for heading in ("1. Summary", "2. Stage 1", "3. The search", "4. The KV cache", "5. Diagnoses",
+                    "6. Capacity plan", "7. Quality note", "Every trial"):
+        assert heading in text and heading in page
+
+
+def test_recommends_the_best_live_config_and_its_commands_reproduce_it(two_stage):
+    db, _, md, _ = two_stage
+    text = md.read_text()
+    best = best_live(db, "two")
+    assert "✅ **Recommended:" in text or "already the best" in text
+    p = best.params
+    vllm = command(text, "vllm")
+    assert vllm[:3] == ["vllm", "serve", "$MODEL"]
+    assert int(flag(vllm, "--block-size")) == p["block_size"]
+    assert float(flag(vllm, "--gpu-memory-utilization")) == pytest.approx(p["gpu_memory_utilization"])
+    assert int(flag(vllm, "--max-num-seqs")) == p["max_num_seqs"]
+    assert flag(vllm, "--kv-cache-dtype") == p["kv_cache_dtype"]
+    assert int(flag(vllm, "--max-model-len")) == 4096  # the search's fixed limit travels with it
+    sglang = command(text, "python")
+    assert sglang[:3] == ["python", "-m", "sglang.launch_server"] and "--host" not in sglang
+    assert int(flag(sglang, "--page-size")) == p["block_size"]
+    assert int(flag(sglang, "--max-running-requests")) == p["max_num_seqs"]
+    assert float(flag(sglang, "--mem-fraction-static")) == pytest.approx(p["gpu_memory_utilization"])
+    assert flag(sglang, "--kv-cache-dtype") == {"auto": "auto", "fp8": "fp8_e4m3"}[p["kv_cache_dtype"]]
+    engine = command(text, "kvengine")
+    parser = argparse.ArgumentParser()
+    add_model_flags(parser)
+    add_engine_flags(parser)
+    parser.add_argument("--executor")
+    args = parser.parse_args(engine[2:])
+    config = config_from_args(args)
+    assert (args.preset, args.device) == (PRESET, DEVICE)
+    assert {k: getattr(config, k) for k in p} == pytest.approx(p)
+
+
+def test_stage_comparison_and_default_are_shown(two_stage):
+    db, _, md, _ = two_stage
+    text = md.read_text()
+    stages = section(text, "## 2. Stage 1")
+    live = Store(db).list_trials("two", stage="live")
+    assert stages.count("\n| trial ") + stages.count("\n| vLLM default ") == len(live)
+    assert "vs vLLM's default config (live server)" in text
+    assert "max_num_seqs` 1024" in text  # the default (not in the searched range) ran in stage 2 only
+    assert "Diagnoses" in text and "### vLLM default" in section(text, "## 5. Diagnoses")
+    capacity = section(text, "## 6. Capacity plan")
+    assert "128 KiB" in capacity and "64 KiB" in capacity and "(p99)" in capacity
+    assert "reserved max_model_len (4,096)" in capacity
+
+
+def test_trials_table_lists_every_trial(two_stage):
+    db, study, md, _ = two_stage
+    table = section(md.read_text(), "### Every trial")
+    numbers = {int(m) for m in re.findall(r"^\| sim \| (\d+) \|", table, re.MULTILINE)}
+    assert numbers == {t.number for t in study.trials}
+    assert len(re.findall(r"^\| live \|", table, re.MULTILINE)) == len(Store(db).list_trials("two", stage="live"))
+    assert "Parameter importance needs" not in md.read_text()  # 12 trials: importance is computed
+
+
+def test_no_feasible_config_says_so_first_with_the_closest_and_why(hopeless):
+    _, study, md, html = hopeless
+    text = md.read_text()
+    top = section(text, "## 1. Summary")
+    assert "No configuration met the SLOs on the simulator" in top
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    closest = min(done, key=lambda t: (t.user_attrs["observed_ttft_p95"], t.number))
+    assert f"The closest is **trial {closest.number}**" in top
+    observed_ms = closest.user_attrs["observed_ttft_p95"] * 1000
+    shown = f"{observed_ms:,.0f} ms" if observed_ms >= 100 else f"{observed_ms:.1f} ms"
+    assert f"TTFT p95 {shown} vs the 1.0 ms limit" in top
+    assert "no critical or warning fault" in top  # light traffic: no fault explains a 1 ms TTFT
+    assert "Recommended" not in top and "Launch commands (closest config)" in top
+    assert "Parameter importance needs at least 10 completed trials; this study has 5" in text
+    assert "No configuration met the SLOs" in html.read_text()
+
+
+def test_every_trial_failing_is_reported_with_the_reasons(tmp_path):
+    db, _ = build_study(tmp_path, "oom", trials=3, stage2=False,
+                        space=[*SPACE[:3], "gpu_memory_utilization=0.10:0.15:0.05"])
+    md, _ = write_report(db, "oom", str(tmp_path / "out"))
+    text = md.read_text()
+    assert "No trial completed" in text and "do not fit" in text
+    assert len(re.findall(r"^\| sim \| \d+ \| failed \|", text, re.MULTILINE)) == 3
+
+
+def test_multi_objective_draws_the_pareto_front(tmp_path):
+    db, _ = build_study(tmp_path, "multi", objective="multi", trials=6, stage2=False)
+    md, _ = write_report(db, "multi", str(tmp_path / "out"))
+    text = md.read_text()
+    assert "Pareto front" in text and (md.parent / "tradeoff.png").exists()
+
+
+def report_cli(*argv):
+    parser = argparse.ArgumentParser()
+    add_report_command(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["report", *argv])
+    return args.func(args)
+
+
+def test_cli_unknown_or_empty_study_exits_2_and_lists_the_studies(two_stage, tmp_path, capsys):
+    db = two_stage[0]
+    assert report_cli("nope", "--db", db, "--out", str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "no study 'nope'" in err and "studies: two" in err
+    optuna.create_study(study_name="empty", storage=db)
+    assert report_cli("empty", "--db", db, "--out", str(tmp_path)) == 2
+    assert "has no trials yet" in capsys.readouterr().err
+    assert report_cli("two", "--db", f"sqlite:///{tmp_path}/missing.db") == 2
+    assert "no database at" in capsys.readouterr().err
+    assert not (tmp_path / "missing.db").exists()
+    assert report_cli("two", "--db", db, "--out", str(tmp_path / "r")) == 0
+    assert str(tmp_path / "r" / "report.md") in capsys.readouterr().out
+    with pytest.raises(ReportError):
+        write_report(db, "nope", str(tmp_path))
+
+
+def test_kvtune_search_ends_with_the_report(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_workload(workload(), str(trace))
+    out = tmp_path / "rep"
+    p = subprocess.run([sys.executable, "-m", "kvtune", "search", "--workload", str(trace), "--slo", "ttft_p95=500ms",
+                        "--max-model-len", "4096", "--target", "none", "--trials", "6", "--study", "cli",
+                        "--db", f"sqlite:///{tmp_path}/s.db", "--report-dir", str(out), "--json",
+                        *(a for s in SPACE for a in ("--space", s))],
+                       check=False, capture_output=True, text=True, timeout=120, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    text = (out / "report.md").read_text()
+    assert result["report"] == str(out / "report.md") and (out / "report.html").exists()
+    assert "(p50)" in text  # the workload file was found: contexts from the trace itself
+    if result["feasible"]:
+        vllm = command(text, "vllm")
+        best = result["best_params"]
+        assert int(flag(vllm, "--max-num-seqs")) == best["max_num_seqs"]
+        assert int(flag(vllm, "--block-size")) == best["block_size"]
+        assert flag(vllm, "--kv-cache-dtype") == best["kv_cache_dtype"]
