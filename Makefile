@@ -33,16 +33,17 @@ test: $(STAMP) promtool
 	$(VPY) -m pytest
 
 DEMO_TRACE := kvtune/data/demo_traces.jsonl
-DEMO_OUT   := reports/demo-run.json
+DEMO_STUDY := demo-$(shell date +%Y%m%d-%H%M%S)
 
-# Until `kvtune search` lands, the demo replays the embedded trace on the sim
-# target (llama-3-8b on an H100) and writes the run.
+# The main job on the embedded sample: 300 requests with the Azure conv trace's
+# lengths behind two shared system prompts. Stage 1: 200 trials of llama-3-8b on
+# an H100 in the simulator; stage 2: the top 3 and vLLM's default on the bundled
+# engine (`kvengine serve --executor sim`, real HTTP, real time). About 3 minutes.
 demo: $(STAMP)
-	mkdir -p reports
-	$(VENV)/bin/kvtune trace stats $(DEMO_TRACE)
-	$(VENV)/bin/kvtune run --target sim --workload $(DEMO_TRACE) --rate-scale 4 \
-		--preset llama-3-8b --device h100-80gb --out $(DEMO_OUT)
-	@echo "demo run written to $(DEMO_OUT)"
+	$(VENV)/bin/kvtune search --workload $(DEMO_TRACE) --slo ttft_p95=500ms --slo tpot_p95=20ms \
+		--target engine --live-head 150 --db sqlite:///reports/demo.db --study $(DEMO_STUDY) \
+		--report-dir reports/$(DEMO_STUDY)
+	@echo "the report: reports/$(DEMO_STUDY)/report.md (and report.html beside it)"
 
 bench: $(STAMP)
 	$(VPY) benchmarks/paged_vs_contiguous.py

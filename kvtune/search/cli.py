@@ -130,7 +130,7 @@ def cmd_search(args) -> int:
         outcomes = run_stage2(live_target.run, candidates, space, base, live_workload, objective, store, name,
                               on_result=lambda o: print(f"  {o.candidate.label}: " + (
                                   f"failed: {o.error}" if o.error else _score_text(o.score))))
-    print(_final_table(ranked[:max(args.top_k, 1)], outcomes, objective))
+    print(_final_table(ranked[:max(args.top_k, 1)], ranked, outcomes, objective))
     report = None
     if not args.no_report:
         from ..report import write_report
@@ -209,13 +209,17 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in params.items())
 
 
-def _final_table(top, outcomes, objective: Objective) -> str:
+def _final_table(top, ranked, outcomes, objective: Objective) -> str:
     live = {o.candidate.number: o for o in outcomes}
     unit = "" if objective.kind == "capacity" else " req/s"
     lines = [f"{'trial':>6}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>5}  {'sim value':>12}  {'live value':>12}  feasible"]
     rows = [(t.number, t.params, t.values[0], is_feasible(t)) for t in top]
-    rows += [(o.candidate.number, o.candidate.params, None, None) for o in outcomes
-             if o.candidate.label == "default" and o.candidate.number not in {t.number for t in top}]
+    by_number = {t.number: t for t in ranked}
+    for o in outcomes:
+        if o.candidate.label == "default" and o.candidate.number not in {t.number for t in top}:
+            trial = by_number.get(o.candidate.number)
+            rows.append((o.candidate.number, o.candidate.params, trial.values[0] if trial else None,
+                         is_feasible(trial) if trial else None))
     for number, params, sim_value, feasible in rows:
         o = live.get(number)
         live_value = "-" if o is None else ("failed" if o.error else f"{o.values[0]:.2f}{unit}")
