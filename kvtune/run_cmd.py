@@ -56,7 +56,8 @@ def add_run_command(sub) -> None:
     add_engine_flags(p)
     g = p.add_argument_group("live runs")
     g.add_argument("--users", type=positive_int, default=256, help="most requests in flight (default: %(default)s)")
-    g.add_argument("--workers", type=int, default=0, help="Locust workers (0: one local process)")
+    g.add_argument("--locust-workers", "--workers", dest="workers", type=int, default=0,
+                   help="replay through a Locust master and this many workers on loopback (0: one process)")
     g.add_argument("--scrape-interval", type=positive_float, default=1.0, metavar="S",
                    help="seconds between /metrics scrapes (default: %(default)s)")
     g.add_argument("--drain-timeout", type=positive_float, default=300.0, metavar="S",

@@ -60,7 +60,8 @@ def add_search_command(sub) -> None:
     g.add_argument("--sglang-python", default="python3")
     g.add_argument("--live-head", type=positive_int, metavar="N", help="stage 2 replays only the first N requests")
     g.add_argument("--users", type=positive_int, default=256, help="most requests in flight in stage 2")
-    g.add_argument("--workers", type=int, default=0, help="Locust workers in stage 2 (0: one process)")
+    g.add_argument("--locust-workers", "--workers", dest="workers", type=int, default=0,
+                   help="stage 2 load through a Locust master and this many workers (0: one process)")
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
     g.add_argument("--study", help="study name: resume it, or share it with other kvtune search processes "
