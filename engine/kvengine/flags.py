@@ -111,5 +111,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="a local Hugging Face folder (config.json + *.safetensors) for the torch executor")
     g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
                    help="on the CPU, the memory budget that plays the device's total memory (e.g. 2GiB)")
+    g.add_argument("--cost-profile", metavar="FILE",
+                   help="the sim executor's cost coefficients as JSON (a calibrated profile); default: "
+                        "the roofline's")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))

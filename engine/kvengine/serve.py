@@ -1,15 +1,35 @@
 """`kvengine serve`: build the engine the flags describe, then serve it over HTTP."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 from .clock import WallClock
 from .config import ConfigError, device_preset, model_preset
+from .cost import CostCoefficients
 from .engine import LLMEngine
 from .flags import config_from_args
 from .loop import EngineLoop
 from .metrics import EngineMetrics
 from .server import ServerState, create_app
+
+def load_coefficients(path: str | None) -> CostCoefficients | None:
+    """A JSON object of CostCoefficients fields (others keep their defaults)."""
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as err:
+        raise ConfigError(f"--cost-profile {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--cost-profile {path}: not valid JSON ({err})") from None
+    known = {f.name for f in dataclasses.fields(CostCoefficients)}
+    if not isinstance(data, dict) or set(data) - known:
+        raise ConfigError(f"--cost-profile {path}: expected an object with some of {', '.join(sorted(known))}")
+    return CostCoefficients(**data)
+
 
 def build_state(args) -> ServerState:
     """The engine, its loop, metrics and tokenizer, as the flags ask."""
@@ -22,9 +42,12 @@ def build_state(args) -> ServerState:
         from .tokenizer import ByteTokenizer
         tokenizer = ByteTokenizer(model.vocab_size)
         engine = LLMEngine(config, model, device, clock=WallClock(), record_steps=False,
-                           eos_token_id=tokenizer.eos_token_id)
+                           eos_token_id=tokenizer.eos_token_id,
+                           cost_coefficients=load_coefficients(args.cost_profile))
         root = model.name
     else:
+        if args.cost_profile:
+            raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
         from .torch_executor import build_torch_engine
         engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
                                     device_memory=args.device_memory, seed=args.seed)
