@@ -165,3 +165,21 @@ def test_engine_target_stops_its_server():
     assert result.summary["completed"] == 2
     leftover = subprocess.run(["pgrep", "-f", "kvengine serve --host 127.0.0.1 --port"], capture_output=True)
     assert leftover.stdout.strip() == b"", "a kvengine server outlived its run"
+
+
+def test_kvtune_run_engine_torch_end_to_end(tmp_path):
+    """The real tiny model on the CPU behind kvengine serve: counts agree across clients, server and store."""
+    trace = tmp_path / "t.jsonl"
+    workload = Workload([TraceRequest(i * 0.1, 40 + 2 * i, 8, hash_ids=(1, 100 + i)) for i in range(12)],
+                        hash_block_size=32)
+    write_workload(workload, str(trace))
+    db = f"sqlite:///{tmp_path}/runs.db"
+    p = kvtune("run", "--target", "engine", "--executor", "torch", "--workload", str(trace), "--users", "16",
+               "--device-memory", "1GiB", "--max-model-len", "1024", "--db", db, "--json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["completed"] == 12 and s["server_generation_tokens"] == 12 * 8
+    assert s["server_prompt_tokens"] == sum(r.input_length for r in workload.requests)
+    assert s["server_prefix_hits"] > 0  # the shared first hash block is served from the cache
+    stored = Store(db).load_run(s["run_id"])
+    assert stored.model == "tiny" and stored.device == "cpu" and len(stored.requests) == 12

@@ -1,0 +1,51 @@
+"""`kvengine serve` with the torch executor (the tiny model on the CPU), over real HTTP."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from serverproc import ServerProcess, scrape
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--executor", "torch", "--preset", "tiny", "--device", "cpu", "--device-memory", "1GiB",
+                         "--served-model-name", "tiny", "--max-model-len", "1024", timeout=120)
+    yield proc
+    proc.stop()
+
+
+def test_greedy_completion_is_deterministic_and_counted(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    before = scrape(server.url)
+    outs = [client.completions.create(model="tiny", prompt="Paged attention stores K/V in blocks.",
+                                      max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+            for _ in range(2)]
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    assert outs[0].usage.completion_tokens == 12
+    after = scrape(server.url)
+    prompt = outs[0].usage.prompt_tokens
+    assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == 2 * prompt
+    assert after["vllm:generation_tokens_total"] - before.get("vllm:generation_tokens_total", 0) == 24
+    assert after["vllm:prefix_cache_hits_total"] - before.get("vllm:prefix_cache_hits_total", 0) == (prompt - 1) // 16 * 16
+
+
+def test_streaming_and_chat_on_the_real_model(server):
+    body = {"model": "tiny", "prompt": [1000, 1001, 1002], "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        events = [e for e in "".join(resp.iter_text()).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][6:])["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 4, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["choices"][0]["message"]["role"] == "assistant" and chat["usage"]["completion_tokens"] == 4
+
+
+def test_seeded_sampling_repeats(server):
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    a = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    b = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert a == b
