@@ -30,6 +30,7 @@ class Event:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    status: int = 400  # the HTTP status an error maps to: 400 a bad request, 503 a dead engine
 
 
 @dataclass(slots=True)
@@ -117,7 +118,7 @@ class EngineLoop:
             log.exception("engine loop died")
             self.error = err
             for sub in self._subscribers.values():
-                sub.put(Event(sub.index, finish_reason="error", error=f"engine loop died: {err!r}"))
+                sub.put(Event(sub.index, finish_reason="error", error=f"engine loop died: {err!r}", status=503))
             self._subscribers.clear()
 
     def _publish_tokens(self, step) -> None:

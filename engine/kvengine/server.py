@@ -107,7 +107,7 @@ class Generation:
             if choice.done:
                 continue  # a stop string already ended it
             if event.error:
-                raise APIError(400 if event.token_id is None and not choice.num_tokens else 500, event.error)
+                raise APIError(event.status, event.error)
             delta = ""
             if event.token_id is not None:
                 choice.num_tokens += 1
@@ -140,6 +140,8 @@ class Generation:
         return token_id if token_id in self.req.stop_token_ids else None
 
     def abort_unfinished(self) -> None:
+        if not self.server.loop.alive:
+            return  # a dead loop holds nothing to free
         for choice in self.choices:
             if not choice.done:
                 self.server.loop.abort(choice.engine_id)
