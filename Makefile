@@ -5,9 +5,9 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo bench clean promtool check-alerts
+.PHONY: setup test demo bench clean promtool check-alerts postgres check-stack chromium
 
-setup: $(STAMP) promtool
+setup: $(STAMP) promtool postgres chromium
 
 # promtool (Debian's prometheus package) checks dashboards/prometheus/alerts.yml;
 # tests/test_alerts.py says clearly when it cannot run without it.
@@ -16,6 +16,26 @@ promtool:
 		{ apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1 || \
 		  { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends prometheus >/dev/null 2>&1; } || \
 		  echo "note: could not install promtool (Debian's prometheus package); the alert-rule tests will skip"; }
+
+# PostgreSQL server binaries (Debian's postgresql package) for the tests that share a study
+# or the run store through a real PostgreSQL; those tests skip, saying why, without them.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || \
+		{ apt-get install -y --no-install-recommends postgresql >/dev/null 2>&1 || \
+		  { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends postgresql >/dev/null 2>&1; } || \
+		  echo "note: could not install PostgreSQL (Debian's postgresql package); the PostgreSQL tests will skip"; }
+
+# Headless Chromium and its WebDriver (Debian's chromium, chromium-driver) for tests/test_ui_browser.py,
+# which skips, saying why, without them.
+chromium:
+	@{ test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } || \
+		{ apt-get install -y --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null 2>&1 || \
+		  { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium chromium-driver fonts-dejavu-core >/dev/null 2>&1; } || \
+		  echo "note: could not install Chromium (Debian's chromium, chromium-driver); the browser test will skip"; }
+
+check-stack: $(STAMP) promtool
+	promtool check config dashboards/prometheus/prometheus.yml
+	$(VPY) -m pytest tests/test_ops_stack.py tests/test_postgres_search.py
 
 check-alerts: promtool
 	promtool check rules dashboards/prometheus/alerts.yml
@@ -29,7 +49,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP) promtool
+test: $(STAMP) promtool postgres chromium
 	$(VPY) -m pytest
 
 DEMO_TRACE := kvtune/data/demo_traces.jsonl

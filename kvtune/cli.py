@@ -17,6 +17,7 @@ from .search.cli import add_search_command  # noqa: E402
 from .search.space import SpaceError  # noqa: E402
 from .search.study import StudyError  # noqa: E402
 from .store import StoreError  # noqa: E402
+from .ui.cli import add_ui_command  # noqa: E402
 from .workload import TraceError, add_trace_commands  # noqa: E402
 
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_command(sub)
     add_diagnose_command(sub)
     add_plan_command(sub)
+    add_ui_command(sub)
     return parser
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -131,8 +132,11 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
         for p in [master, *procs]:
             p.kill()
         log = (master.stdout.read() if master.stdout else "") + f"\nkilled after {timeout_s:.0f} s"
-    return _collect(out, samples, json_base, master.returncode if master.returncode is not None else -9,
-                    log, workload_path)
+    try:
+        return _collect(out, samples, json_base, master.returncode if master.returncode is not None else -9,
+                        log, workload_path)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _collect(out: str, samples_prefix: str, json_base: str, rc: int, log: str, workload_path: str) -> LoadResult:

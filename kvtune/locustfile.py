@@ -39,8 +39,9 @@ def _add_arguments(parser):
 class Replay:
     """This process's share of the trace and its progress."""
 
-    def __init__(self, environment, plan, samples_path: str, model: str):
+    def __init__(self, environment, plan, samples_path: str, model: str, shard: int):
         self.environment = environment
+        self.shard = shard
         self.plan = plan
         self.next = 0
         self.done = 0
@@ -84,7 +85,7 @@ def _on_test_start(environment, **_):
     shard = runner.worker_index if isinstance(runner, WorkerRunner) else 0
     plan = load_plan(opts.kvtune_workload, shard, opts.kvtune_shards, opts.kvtune_text)
     model = opts.kvtune_model or _served_model(environment.host)
-    REPLAY = Replay(environment, plan, f"{opts.kvtune_samples}.{shard}.jsonl", model)
+    REPLAY = Replay(environment, plan, f"{opts.kvtune_samples}.{shard}.jsonl", model, shard)
     if not plan:  # more workers than requests: this one is done before it starts
         REPLAY.out.close()
         if isinstance(runner, WorkerRunner):
@@ -123,7 +124,7 @@ class TraceReplayUser(HttpUser):
         body = {"model": REPLAY.model, "prompt": item.prompt, "max_tokens": item.max_tokens,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         sent = time.monotonic()
-        sample = {"index": item.index, "scheduled_s": item.arrival_s, "sent_s": sent - REPLAY.t0,
+        sample = {"index": item.index, "shard": REPLAY.shard, "scheduled_s": item.arrival_s, "sent_s": sent - REPLAY.t0,
                   "lateness_s": max(0.0, sent - REPLAY.t0 - item.arrival_s), "ttft_s": None, "itl_s": [],
                   "tpot_s": None, "e2e_s": None, "output_tokens": 0, "prompt_tokens": None,
                   "finish_reason": None, "status": None, "error": None}

@@ -101,7 +101,8 @@ def _records(load, workload: Workload) -> list[RequestRecord]:
 
 
 def _load_figures(load) -> dict:
-    return {"max_lateness_s": load.max_lateness_s, "load_kept_up": load.kept_up}
+    return {"max_lateness_s": load.max_lateness_s, "load_kept_up": load.kept_up,
+            "load_shards": len({s.get("shard", 0) for s in load.samples})}
 
 
 def server_figures(log: ScrapeLog) -> dict:

@@ -1,0 +1,7 @@
+"""`kvtune ui`: a Streamlit app over the run store and the Optuna studies beside it.
+
+app.py is the entry point Streamlit runs; each page is one module (runs,
+search, diagnoses, planner, live) that Streamlit executes as a script; data.py
+is the only one that reads the database. `add_ui_command(subparsers)` in cli.py
+wires the command. Importing this package does not import Streamlit.
+"""

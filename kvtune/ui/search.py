@@ -1,0 +1,291 @@
+"""Search page: a study's trials, optimisation history, Pareto front, parameter importance, best configs
+with their launch commands, and stage 1 against stage 2."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import streamlit as st
+
+from kvtune.report import fmt
+from kvtune.report.data import ReportData, ReportError
+from kvtune.report.launch import engine_config, launch_commands, model_export
+from kvtune.report.verdict import Candidate, Measurement
+from kvtune.report.words import (
+    metric_label,
+    miss_text,
+    objective_text,
+    slo_text,
+    status,
+    value_label,
+)
+from kvtune.report.writer import LIVE_MODEL_TARGETS
+from kvtune.ui import charts, data, widgets
+
+# Plain symbols, not emoji: a browser without an emoji font (a headless one) shows emoji as boxes.
+MARKS = {"ok": ("✔", "#2ca02c"), "bad": ("✖", "#d62728"), "failed": ("⚠", "#7f7f7f")}
+BEST_SHOWN = 3  # configs with launch commands
+
+
+def studies_frame(rows: list[data.StudyRow]) -> pd.DataFrame:
+    return pd.DataFrame([{"study": r.name, "objective": r.objective, "trials": r.trials,
+                          "SLOs": ", ".join(r.slos), "model": r.preset, "device": r.device,
+                          "workload": r.workload, "started": r.started} for r in rows])
+
+
+def mark(m: Measurement) -> str:
+    """The trial's result with a marker: meets the SLOs, misses one, or failed."""
+    if not m.ok:
+        kind = "failed"
+    else:
+        kind = "ok" if m.feasible else "bad"
+    return f"{MARKS[kind][0]} {status(m)}"
+
+
+def result_colour(text: str) -> str:
+    colour = next((c for symbol, c in MARKS.values() if str(text).startswith(symbol)), None)
+    return f"color: {colour}" if colour else ""
+
+
+def number_format(name: str) -> str:
+    return "%.1f" if name.endswith("(ms)") else "%.2f" if name.startswith(("goodput", "throughput")) else "%g"
+
+
+def number_config(frame: pd.DataFrame) -> dict:
+    return {name: st.column_config.NumberColumn(format=number_format(name))
+            for name in frame.columns if pd.api.types.is_float_dtype(frame[name])}
+
+
+def styled(frame: pd.DataFrame, column: str):
+    """The table with its result column coloured like the charts' points.
+
+    A Styler's own number formats replace st.column_config's, so they are set here."""
+    formats = {name: "{:" + number_format(name)[1:] + "}" for name in frame.columns
+               if pd.api.types.is_float_dtype(frame[name])}
+    return frame.style.map(result_colour, subset=[column]).format(formats, na_rep="")
+
+
+def trials_frame(report: ReportData) -> pd.DataFrame:
+    info = report.info
+    rows = []
+    for m in sorted(report.trials, key=lambda t: t.number) + sorted(report.live, key=lambda t: t.number):
+        row = {"stage": m.stage, "trial": m.number, "result": mark(m)}
+        row |= {k: _cell(m.params.get(k)) for k in info.knobs}
+        if info.objective == "capacity":  # otherwise the value is the goodput or the throughput beside it
+            row["value"] = m.value if m.ok else None
+        row["goodput (req/s)"] = m.goodput_rps if m.ok else None
+        row["throughput (req/s)"] = m.throughput_rps if m.ok else None
+        for slo in info.slos:
+            observed = m.observed.get(slo.name)
+            row[f"{metric_label(slo.name)} (ms)"] = observed * 1000 if m.ok and observed is not None else None
+        for key in ("ttft_p95", "tpot_p95"):
+            if key not in {s.name for s in info.slos}:
+                value = m.summary.get(key)
+                row[f"{metric_label(key)} (ms)"] = value * 1000 if m.ok and value is not None else None
+        row["run"] = m.run_id
+        row["note"] = note(m)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _cell(value):
+    # Knob columns mix bools, ints and strings across studies: keep each column one type for sorting.
+    return fmt.param("", value) if isinstance(value, bool) else value
+
+
+def note(m: Measurement) -> str:
+    if m.reason:
+        return m.reason.splitlines()[0][:300]
+    if m.duplicate_of is not None:
+        return f"same config as trial {m.duplicate_of}: its measurement reused"
+    if m.failed_requests:
+        return f"{m.failed_requests} requests failed"
+    return ""
+
+
+def latency_axis(report: ReportData) -> str:
+    info = report.info
+    if info.objective == "multi":
+        return info.latency
+    return info.slos[0].name if info.slos else "ttft_p95"
+
+
+def tradeoff_points(trials: list[Measurement], latency: str) -> list[tuple[Measurement, float, float]]:
+    points = []
+    for t in trials:
+        if not t.ok or t.duplicate_of is not None:
+            continue
+        y = t.observed.get(latency)
+        y = y if y is not None else t.summary.get(latency)
+        if _finite(t.throughput_rps) and _finite(y):
+            points.append((t, t.throughput_rps, y))
+    return points
+
+
+def pareto_front(points: list[tuple[Measurement, float, float]]) -> list[int]:
+    """Trial numbers no other trial beats on both more throughput and less latency."""
+    front = []
+    for t, x, y in points:
+        beaten = any(x2 >= x and y2 <= y and (x2 > x or y2 < y) for _, x2, y2 in points)
+        if not beaten:
+            front.append(t.number)
+    return front
+
+
+def stages_frame(report: ReportData) -> pd.DataFrame:
+    knobs, rows = report.info.knobs, []
+    for c in report.candidates:
+        row = {"config": c.label} | {k: _cell(c.params.get(k)) for k in knobs}
+        for stage in ("sim", "live"):
+            m = getattr(c, stage)
+            ok = m is not None and m.ok
+            row[f"goodput {stage}"] = m.goodput_rps if ok else None
+            row[f"throughput {stage}"] = m.throughput_rps if ok else None
+            row[f"TTFT p95 {stage} (ms)"] = _ms(m.summary.get("ttft_p95")) if ok else None
+            row[f"TPOT p95 {stage} (ms)"] = _ms(m.summary.get("tpot_p95")) if ok else None
+            row[f"meets SLOs {stage}"] = ("yes" if m.feasible else "no") if ok else ("failed" if m else "not run")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def best_candidates(report: ReportData) -> list[Candidate]:
+    """The verdict's config first (even when it is vLLM's default), then the next best measured ones."""
+    out = []
+    for c in [report.headline, *report.candidates]:
+        if c is None or c.measured is None or not c.measured.ok or any(c.params == o.params for o in out):
+            continue
+        if c is report.headline or not c.is_default:
+            out.append(c)
+    return out[:BEST_SHOWN]
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1000
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def render() -> None:
+    st.title("Search")
+    db = data.database()
+    if not widgets.require_data(db, "runs or studies"):
+        return
+    if not db.studies:
+        st.info("No studies in this database yet. Start one (it reads only what it stores):")
+        st.code(widgets.fill_commands(db), language="bash")
+        return
+    rows = data.studies(db.url)
+    with st.expander(f"{len(rows)} stud{'ies' if len(rows) != 1 else 'y'} in {db.display_url}"):
+        st.dataframe(studies_frame(rows), hide_index=True, key="studies_table")
+    by_name = {r.name: r for r in rows}
+    name = st.selectbox("Study", list(by_name), key="study")
+    if name is None:
+        return
+    try:
+        view = data.study_view(db.url, name, by_name[name].trials)
+    except ReportError as err:
+        st.info(str(err))
+        return
+    show_study(view)
+
+
+def show_study(view: data.StudyView) -> None:
+    report, info = view.report, view.report.info
+    st.markdown(f"**{info.name}**: `{info.preset}` on `{info.device}`"
+                + (f", workload `{info.workload}`" if info.workload else "")
+                + f". Objective: {objective_text(info)}. "
+                + (f"SLOs: {', '.join(slo_text(s) for s in info.slos)}." if info.slos else "No SLOs."))
+    verdict(report)
+
+    st.subheader("Trials")
+    st.caption("Click a column header to sort. ✔ meets the SLOs, ✖ misses one, ⚠ failed (see the note).")
+    st.dataframe(styled(trials_frame(report), "result"), hide_index=True, key="trials_table",
+                 column_config={"value": st.column_config.NumberColumn(value_label(info))})
+
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Optimisation history")
+        figure = charts.history(report.trials, value_label(info))
+        if figure is None:
+            st.info("No completed trial to plot.")
+        else:
+            st.plotly_chart(figure, key="history_chart")
+    with right:
+        st.subheader("Pareto front")
+        latency = latency_axis(report)
+        points = tradeoff_points(report.trials, latency)
+        limit = next((s.threshold_s for s in info.slos if s.name == latency), None)
+        figure = charts.pareto(points, pareto_front(points), metric_label(latency), limit)
+        if figure is None:
+            st.info("No completed trial to plot.")
+        else:
+            st.plotly_chart(figure, key="pareto_chart")
+            st.caption(f"Throughput against {metric_label(latency)} (stage 1): lower right is better; "
+                       "the line joins the configs no other one beats on both.")
+
+    st.subheader("Parameter importance")
+    st.caption(view.importance.note)
+    if view.importance.values:
+        st.plotly_chart(charts.importance(view.importance.values), key="importance_chart")
+
+    st.subheader("Best configs and their launch commands")
+    best_configs(view)
+
+    st.subheader("Stage 1 (simulator) vs stage 2 (live server)")
+    if not report.live:
+        st.info("Stage 2 did not run for this study (`--target none`): only the simulator's numbers exist. "
+                "The best stage-1 configs and vLLM's default:")
+    stages = stages_frame(report)
+    st.dataframe(stages, hide_index=True, key="stages_table", column_config=number_config(stages))
+
+
+def verdict(report: ReportData) -> None:
+    v = report.verdict
+    stage = "the live server" if v.stage == "live" else "the simulator"
+    if v.recommended is not None:
+        m = v.recommended.measured
+        st.success(f"Recommended: **{v.recommended.label}** — {value_label(report.info)} "
+                   f"{fmt.number(m.value) if m else fmt.MISSING}, meeting every SLO on {stage}.")
+    elif v.closest is not None:
+        misses = "; ".join(miss_text(x) for x in v.misses)
+        st.warning(f"No config met every SLO on {stage}. Closest: **{v.closest.label}** ({misses}).")
+        if v.feasible_elsewhere:
+            st.caption(f"Stage-1 trials that met the SLOs on the simulator: "
+                       f"{', '.join(map(str, v.feasible_elsewhere))}.")
+    else:
+        st.warning("No trial of this study completed: see the failed trials' notes.")
+
+
+def best_configs(view: data.StudyView) -> None:
+    report, info = view.report, view.report.info
+    best = best_candidates(report)
+    if not best:
+        st.info("No completed config to recommend yet.")
+        return
+    run = report.best_run.result if report.best_run else None
+    served = run.model if run is not None and run.target in LIVE_MODEL_TARGETS else None
+    export = model_export(info.preset, served)
+    for tab, candidate in zip(st.tabs([c.label for c in best]), best):
+        with tab:
+            m = candidate.measured
+            st.dataframe(pd.DataFrame([{k: fmt.param(k, v) for k, v in candidate.params.items()}]),
+                         hide_index=True)
+            st.markdown(f"{'Live server' if m.stage == 'live' else 'Simulator'}: goodput {fmt.rps(m.goodput_rps)}, "
+                        f"throughput {fmt.rps(m.throughput_rps)}, TTFT p95 {fmt.ms(m.summary.get('ttft_p95'))}, "
+                        f"TPOT p95 {fmt.ms(m.summary.get('tpot_p95'))}; "
+                        f"{'meets' if m.feasible else 'misses'} the SLOs.")
+            if export:
+                st.code(export, language="bash")
+            config = engine_config(view.base_config, candidate.params)
+            for command in launch_commands(config, info.preset, info.device, served):
+                if command.text is None:
+                    st.caption(f"**{command.server}** cannot run this config: {command.note}")
+                else:
+                    st.caption(f"**{command.server}**" + (f": {command.note}" if command.note else ""))
+                    st.code(command.text, language="bash")
+
+
+if __name__ == "__main__":
+    render()

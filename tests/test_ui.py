@@ -1,0 +1,431 @@
+"""`kvtune ui`: every page through Streamlit's AppTest, on a database seeded by real runs and a real search,
+and on an empty one; the Live page against a real bundled engine."""
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from kvengine.config import EngineConfig, device_preset, model_preset
+from serverproc import ServerProcess
+from streamlit.testing.v1 import AppTest
+
+import kvtune.ui
+from kvtune.diagnose import diagnose
+from kvtune.plan import plan_capacity
+from kvtune.report import fmt
+from kvtune.search import (
+    Objective,
+    Stage1,
+    load_space,
+    open_storage,
+    open_study,
+    parse_slo,
+    ranked_trials,
+)
+from kvtune.search.stage2 import Candidate, default_params, run_stage2
+from kvtune.store import Store
+from kvtune.targets import LiveOptions, SimTarget, UrlTarget
+from kvtune.ui import charts
+from kvtune.ui.cli import add_ui_command, streamlit_command
+from kvtune.ui.planner import parse_contexts
+from kvtune.ui.search import pareto_front
+from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
+
+APP = str(Path(kvtune.ui.__file__).with_name("app.py"))
+PRESET, DEVICE = "llama-3-8b", "h100-80gb"
+SEARCH_TRIALS = 12  # PED-ANOVA's parameter importance needs at least 10
+PAGES = {"runs.py": "Runs", "search.py": "Search", "diagnoses.py": "Diagnoses", "planner.py": "Planner",
+         "live.py": "Live"}
+
+
+# ---------------------------------------------------------------- the seeded database
+
+def workload(n=80, rate=30.0, seed=1):
+    """Shared system prompts (so the prefix cache shows) at a rate that queues on a small pool."""
+    return synthesize(SynthSpec(num_requests=n, rate=rate, input_len=IntDist.uniform(200, 1200),
+                                output_len=IntDist.uniform(32, 128), system_prompts=2, system_prompt_len=1024,
+                                seed=seed))
+
+
+@dataclass
+class Seeded:
+    db: str
+    runs: dict  # label -> run id
+    server_url: str | None
+
+
+def seed_database(folder: Path, server_url: str | None = None) -> Seeded:
+    """Sim runs (one healthy, one on a starved KV pool), a live run on a real server when given, a real
+    `kvtune search` (stage 1 only) and a study with a stage 2, the sim target standing in for the live one."""
+    db = f"sqlite:///{folder}/ui.db"
+    trace = folder / "trace.jsonl"
+    write_workload(workload(), str(trace))
+    sim = SimTarget(model_preset(PRESET), device_preset(DEVICE))
+    runs = {}
+    with Store(db) as store:
+        for label, config in (("sim default", EngineConfig()),
+                              ("sim tight pool", EngineConfig(num_gpu_blocks_override=400, max_model_len=4096))):
+            result = sim.run(config, workload())
+            runs[label] = store.save_run(result, label=label)
+            store.save_diagnoses(runs[label], diagnose(result))
+        if server_url is not None:
+            live = UrlTarget(server_url, LiveOptions(users=64, scrape_interval_s=0.5, drain_timeout_s=30,
+                                                     device=DEVICE)).run(None, workload(30, 20.0, seed=2))
+            runs["live engine"] = store.save_run(live, label="live engine")
+            store.save_diagnoses(runs["live engine"], diagnose(live))
+    search = subprocess.run(
+        [sys.executable, "-m", "kvtune", "search", "--workload", str(trace), "--trials", str(SEARCH_TRIALS),
+         "--target", "none", "--db", db, "--study", "s", "--no-report", "--slo", "ttft_p95=500ms"],
+        check=False, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+    assert search.returncode == 0, search.stderr + search.stdout
+    staged_study(db, str(trace))
+    return Seeded(db, runs, server_url)
+
+
+def staged_study(db: str, trace: str) -> None:
+    """What `kvtune search` does with a live target, through its own functions, the sim target playing live."""
+    slos = (parse_slo("ttft_p95=500ms"),)
+    objective = Objective("goodput", slos)
+    space = load_space(None, ["block_size=16,32", "kv_cache_dtype=auto,fp8", "max_num_seqs=4:64:log",
+                              "gpu_memory_utilization=0.85:0.95:0.05"])
+    base = EngineConfig(max_model_len=4096)
+    attrs = {"workload": trace, "preset": PRESET, "device": DEVICE, "slos": [str(s) for s in slos],
+             "space": {k.name: "" for k in space.knobs}, "latency": "ttft_p95"}
+    study = open_study(open_storage(db), "staged", objective, "tpe", 0, attrs)
+    sim = SimTarget(model_preset(PRESET), device_preset(DEVICE))
+    with Store(db) as store:
+        Stage1(study, space, base, objective, sim.run, workload(), store, 6).optimize()
+        candidates = [Candidate(f"trial {t.number}", t.number, dict(t.params))
+                      for t in ranked_trials(study, objective)[:2]]
+        dflt = default_params(space, base.resolve(model_preset(PRESET), device_preset(DEVICE)))
+        run_stage2(sim.run, candidates + [Candidate("default", -1, dflt)], space, base, workload(), objective,
+                   store, "staged")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--executor", "sim", "--preset", PRESET, "--device", DEVICE)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory, server):
+    return seed_database(tmp_path_factory.mktemp("ui"), server.url)
+
+
+# ---------------------------------------------------------------- helpers
+
+def open_app(db: str, monkeypatch, page: str | None = None) -> AppTest:
+    monkeypatch.setenv("KVTUNE_DB", db)
+    at = AppTest.from_file(APP, default_timeout=60).run()
+    if page is not None:
+        at.switch_page(page).run()
+    return at
+
+
+def check_page(at: AppTest, title: str) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert [t.value for t in at.title] == [title]
+
+
+def frames(at: AppTest) -> list[pd.DataFrame]:
+    return [d.value for d in at.dataframe]
+
+
+def frame_with(at: AppTest, *columns: str) -> pd.DataFrame:
+    found = [f for f in frames(at) if set(columns) <= set(f.columns)]
+    assert found, f"no table with columns {columns}: {[list(f.columns) for f in frames(at)]}"
+    return found[0]
+
+
+def text(at: AppTest) -> str:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption] + [c.value for c in at.code]
+    parts += [x.value for x in (*at.info, *at.success, *at.warning)] + [s.value for s in at.subheader]
+    return "\n".join(str(p) for p in parts)
+
+
+def charts_shown(at: AppTest) -> int:
+    return len(at.get("plotly_chart"))
+
+
+# ---------------------------------------------------------------- Runs
+
+def test_runs_page_shows_each_run(seeded, monkeypatch):
+    at = open_app(seeded.db, monkeypatch)
+    check_page(at, "Runs")
+    table = frame_with(at, "run", "label", "target", "TTFT p95 (ms)")
+    assert set(table["label"]) == {"sim default", "sim tight pool", "live engine"}  # search trials hidden
+    box = at.selectbox(key="run")
+    assert box.options[0].startswith(f"#{seeded.runs['live engine']} live engine (url,")
+
+    latency = frame_with(at, "latency", "clients p95", "server p95").set_index("latency")
+    for name in ("TTFT", "TPOT", "ITL", "end-to-end"):  # the live run: clients and server side by side
+        assert latency.loc[name, "clients p95"] > 0 and latency.loc[name, "server p95"] > 0
+    profile = frame_with(at, "per request", "p50", "p99").set_index("per request")
+    assert list(profile.index) == ["prompt tokens", "output tokens"]
+    assert charts_shown(at) == 2  # the KV cache over time, the workload's lengths
+    assert [m.label for m in at.metric][:6] == ["Requests completed", "Throughput (req/s)", "Output (tok/s)",
+                                                "KV usage peak", "Prefix hit rate", "Preemptions"]
+
+    box.select(seeded.runs["sim tight pool"]).run()
+    check_page(at, "Runs")
+    latency = frame_with(at, "latency", "clients p95", "server p95").set_index("latency")
+    assert latency.loc["TTFT", "clients p95"] > 1000 and latency["server p95"].isna().all()
+    assert "no server histograms" in text(at)
+    body = text(at)
+    for fault in ("**F1**", "**F6**", "**F8**"):
+        assert fault in body
+    assert frame_with(at, "metric", "window", "value", "threshold").shape[0] >= 1
+    assert at.metric[5].value != "0"  # preemptions
+
+    at.toggle(key="runs_trials").set_value(True).run()
+    check_page(at, "Runs")
+    assert len(at.selectbox(key="run").options) == 3 + SEARCH_TRIALS + 6 + 3  # + both studies' runs
+
+
+def test_runs_in_progress_and_failed(monkeypatch, tmp_path):
+    db = f"sqlite:///{tmp_path}/partial.db"
+    with Store(db) as store:
+        running = store.start_run("engine", PRESET, DEVICE, label="in progress")
+        store.add_samples(running, [(100.0 + t, name, value) for t in range(5)
+                                    for name, value in (("kv_usage", 0.1 * t), ("num_running", t),
+                                                        ("num_waiting", 0))])
+        failed = store.start_run("engine", PRESET, DEVICE, config={"gpu_memory_utilization": 0.99},
+                                 label="too big")
+        store.mark_run(failed, "failed", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    at = open_app(db, monkeypatch)
+    check_page(at, "Runs")
+    assert at.selectbox(key="run").value == failed
+    assert at.warning[0].value.startswith("This run failed: torch.OutOfMemoryError")
+    assert "**F5**" in text(at)  # diagnosed now from its error, not stored
+    at.selectbox(key="run").select(running).run()
+    check_page(at, "Runs")
+    assert at.info[0].value.startswith("This run is still in progress")
+    assert charts_shown(at) == 1  # its live samples over time
+    at.switch_page("diagnoses.py").run()
+    check_page(at, "Diagnoses")
+
+
+# ---------------------------------------------------------------- Search
+
+def test_search_page_shows_a_stage1_study(seeded, monkeypatch):
+    at = open_app(seeded.db, monkeypatch, "search.py")
+    check_page(at, "Search")
+    assert at.selectbox(key="study").options == ["s", "staged"]
+    studies = frame_with(at, "study", "objective", "trials")
+    assert list(studies["trials"]) == [SEARCH_TRIALS, 6]
+
+    trials = frame_with(at, "stage", "trial", "result", "block_size", "TTFT p95 (ms)")
+    assert len(trials) == SEARCH_TRIALS and list(trials["trial"]) == list(range(SEARCH_TRIALS))
+    assert set(trials["stage"]) == {"sim"}
+    assert all(r.startswith(("✔", "✖", "⚠")) for r in trials["result"])
+    meets = trials["result"].str.startswith("✔")
+    assert meets.any()
+    assert (trials.loc[meets, "TTFT p95 (ms)"].dropna() <= 500).all()
+    assert (trials.loc[trials["result"].str.startswith("✖"), "TTFT p95 (ms)"].dropna() > 500).all()
+
+    assert charts_shown(at) == 3  # history, Pareto front, importance
+    assert "PED-ANOVA" in text(at)
+    assert [s.value for s in at.subheader] == [
+        "Trials", "Optimisation history", "Pareto front", "Parameter importance",
+        "Best configs and their launch commands", "Stage 1 (simulator) vs stage 2 (live server)"]
+    commands = "\n".join(c.value for c in at.code)
+    assert "vllm serve" in commands and "kvengine serve" in commands and "--block-size" in commands
+    assert "Stage 2 did not run" in text(at)
+    stages = frame_with(at, "config", "goodput sim", "goodput live")
+    assert stages["config"].iloc[-1] == "vLLM default" and stages["goodput live"].isna().all()
+    assert at.success and at.success[0].value.startswith("Recommended: **trial")
+
+
+def test_search_page_compares_stage1_with_stage2(seeded, monkeypatch):
+    at = open_app(seeded.db, monkeypatch, "search.py")
+    at.selectbox(key="study").select("staged").run()
+    check_page(at, "Search")
+    trials = frame_with(at, "stage", "trial", "result")
+    assert list(trials["stage"]).count("live") == 3 and list(trials["stage"]).count("sim") == 6
+    stages = frame_with(at, "config", "goodput sim", "goodput live", "meets SLOs live")
+    assert len(stages) == 3 and stages["goodput live"].notna().all()
+    assert set(stages["meets SLOs live"]) <= {"yes", "no"}
+    assert "Stage 2 did not run" not in text(at)
+    assert "Parameter importance needs at least 10 completed trials" in text(at)  # 6 trials: a note, no chart
+    assert charts_shown(at) == 2
+
+
+def test_pareto_front_keeps_the_undominated():
+    class T:
+        def __init__(self, number):
+            self.number = number
+    points = [(T(0), 10.0, 0.5), (T(1), 12.0, 0.6), (T(2), 9.0, 0.7), (T(3), 12.0, 0.4), (T(4), 5.0, 0.1)]
+    assert pareto_front(points) == [3, 4]
+
+
+# ---------------------------------------------------------------- Diagnoses
+
+def test_diagnoses_page_cards_by_severity(seeded, monkeypatch):
+    at = open_app(seeded.db, monkeypatch, "diagnoses.py")
+    check_page(at, "Diagnoses")
+    box = at.selectbox(key="diagnoses_run")
+    assert box.value == seeded.runs["sim tight pool"]  # the run with critical findings comes first
+    overview = frame_with(at, "run", "critical", "warning", "info", "stored faults").set_index("run")
+    assert overview.loc[seeded.runs["sim tight pool"], "stored faults"] == "F1 F6 F8"
+    assert overview.loc[seeded.runs["sim tight pool"], "critical"] == 3
+    assert [s.value for s in at.subheader] == ["Critical (3)"]
+    cards = [m.value for m in at.markdown if m.value.startswith(":red-badge[Critical]")]
+    assert [c.split("**")[1] for c in cards] == ["F1", "F6", "F8"]
+    evidence = [f for f in frames(at) if list(f.columns) == ["metric", "window", "value", "threshold"]]
+    assert len(evidence) == 3 and all(len(f) >= 1 for f in evidence)
+    assert "vllm:num_requests_waiting" in set(evidence[0]["metric"])
+    fixes = [m.value for m in at.markdown if m.value.startswith("**Fix:**")]
+    assert len(fixes) == 3 and all("→" in f for f in fixes)
+
+    box.select(seeded.runs["sim default"]).run()
+    check_page(at, "Diagnoses")
+    assert at.success[0].value.startswith("No faults found")
+
+
+# ---------------------------------------------------------------- Planner
+
+def test_planner_matches_the_capacity_plan(monkeypatch, tmp_path):
+    at = open_app(f"sqlite:///{tmp_path}/none.db", monkeypatch, "planner.py")
+    check_page(at, "Planner")
+    expected = plan_capacity(model_preset(PRESET), device_preset(DEVICE),
+                             EngineConfig(gpu_memory_utilization=0.92), [1024, 4096, 8192])
+    table = frame_with(at, "", "auto (bfloat16)", "fp8").set_index("")
+    assert table.loc["tokens that fit", "auto (bfloat16)"] == fmt.count(expected.primary.pool_tokens)
+    assert table.loc["tokens that fit", "fp8"] == fmt.count(expected.by_dtype[1].pool_tokens)
+    contiguous = [i for i in table.index if "contiguous" in i]
+    assert contiguous == ["requests at once, contiguous: max_model_len (8,192) reserved each"]
+    assert table.loc[contiguous[0], "auto (bfloat16)"] == fmt.count(expected.primary.contiguous_requests)
+    assert charts_shown(at) == 1
+
+    at.selectbox(key="plan_model").select("custom").run()
+    at.number_input(key="plan_layers").set_value(80).run()
+    at.selectbox(key="plan_kv_dtype").select("fp8").run()
+    at.text_input(key="plan_contexts").input("2k, 32k").run()
+    check_page(at, "Planner")
+    table = frame_with(at, "", "fp8").set_index("")
+    assert list(table.columns) == ["fp8"]
+    assert "requests at once, paged: 32,768 tokens each" in table.index
+    assert "requests at once, contiguous: max_model_len (32,768) reserved each" in table.index
+
+    at.text_input(key="plan_contexts").input("lots").run()
+    assert not at.exception and "'lots' is not a context length" in at.error[0].value
+
+    at.text_input(key="plan_contexts").input("4096").run()
+    at.selectbox(key="plan_device").select("l4-24gb").run()
+    at.selectbox(key="plan_model").select("llama-3-70b").run()
+    assert not at.exception and at.warning[0].value.startswith("Does not fit")
+
+
+def test_parse_contexts():
+    assert parse_contexts("1024, 4k 8192") == [1024, 4096, 8192]
+    assert parse_contexts("") == []
+    with pytest.raises(ValueError, match="'-3'"):
+        parse_contexts("-3")
+
+
+# ---------------------------------------------------------------- Live
+
+def test_live_page_scrapes_a_real_server(server, monkeypatch, tmp_path):
+    at = open_app(f"sqlite:///{tmp_path}/none.db", monkeypatch, "live.py")
+    check_page(at, "Live")
+    assert "press Start" in at.info[0].value
+    at.text_input(key="live_url").input(server.url)
+    at.button(key="live_start").click().run()
+    check_page(at, "Live")
+    assert f"Watching {server.url}/metrics: 1 scrapes." in text(at)
+    assert [m.label for m in at.metric] == ["Running", "Waiting", "KV usage", "Prefix hit rate", "Preemptions"]
+    assert at.metric[0].value == "0" and at.metric[2].value == "0.0 %"
+    assert charts_shown(at) == 1
+    assert frame_with(at, "latency", "server p95").shape[0] == 5
+    assert "insufficient data" in text(at)  # one scrape: the diagnosis says it cannot judge yet
+
+    at.button(key="live_start").click().run()  # a new watch; its first scrape
+    at.button(key="live_stop").click().run()
+    check_page(at, "Live")
+    assert f"Stopped watching {server.url}/metrics: 1 scrapes." in text(at)
+
+
+def test_live_page_reports_an_unreachable_server(monkeypatch, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    at = open_app(f"sqlite:///{tmp_path}/none.db", monkeypatch, "live.py")
+    at.text_input(key="live_url").input(f"http://127.0.0.1:{port}")
+    at.button(key="live_start").click().run()
+    assert not at.exception and not at.error
+    assert "connection refused" in at.warning[0].value
+    at.text_input(key="live_url").input("localhost:8000")
+    at.button(key="live_start").click().run()
+    assert not at.exception and "expected a server URL" in at.error[0].value
+
+
+# ---------------------------------------------------------------- empty and unreadable databases
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_empty_database_says_what_to_run(page, monkeypatch, tmp_path):
+    path = tmp_path / "empty.db"
+    at = open_app(f"sqlite:///{path}", monkeypatch, page)
+    check_page(at, PAGES[page])
+    if page in ("runs.py", "search.py", "diagnoses.py"):
+        assert at.info[0].value.startswith(f"Nothing stored yet in `sqlite:///{path}`")
+        commands = at.code[0].value
+        assert "kvtune run --workload" in commands and "kvtune search --workload" in commands
+        assert f"--db sqlite:///{path}" in commands
+    assert not path.exists()  # the UI reads only: it did not create the database
+
+
+def test_database_with_empty_tables(monkeypatch, tmp_path):
+    db = f"sqlite:///{tmp_path}/tables.db"
+    Store(db).close()
+    open_storage(db)
+    for page, title in PAGES.items():
+        at = open_app(db, monkeypatch, page)
+        check_page(at, title)
+
+
+def test_unreadable_database_is_an_error_message(monkeypatch):
+    at = open_app("nosuchdriver://x/y", monkeypatch)
+    assert not at.exception
+    assert at.title[0].value == "Runs" and at.error[0].value.startswith("Cannot read the database")
+
+
+# ---------------------------------------------------------------- pieces
+
+def test_binned_series_for_sim_and_scrapes():
+    series = {"time": [0.0, 0.5, 1.0, 1.5, 2.0], "kv_usage": [0.1, 0.5, None, 0.9, 0.2],
+              "num_running": [1, 2, 3, 4, 5], "num_waiting": [0, 0, 1, 0, 0],
+              "num_preemptions": [0, 1, 0, 2, 0], "prefix_queries": [10, 0, 10, 10, 0],
+              "prefix_hits": [5, 0, 0, 4, 0]}
+    frame = charts.binned(series, max_points=2)
+    assert list(frame["kv_usage"]) == [0.5, 0.9]
+    assert list(frame["preemptions_total"]) == [1, 3]
+    assert list(frame["hit_rate"]) == [0.5, 0.3]  # so far: 5 of 10, then 9 of 30
+    assert charts.binned({"time": []}).empty and charts.timeline({"time": []}) is None
+
+
+def test_ui_command_runs_streamlit_on_loopback(capsys):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_ui_command(parser.add_subparsers())
+    args = parser.parse_args(["ui", "--port", "8611", "--db", "sqlite:///x.db"])
+    assert args.port == 8611 and args.db == "sqlite:///x.db"
+    command = streamlit_command(8611)
+    assert command[1:5] == ["-m", "streamlit", "run", APP]
+    for flag, value in (("--server.address", "127.0.0.1"), ("--server.port", "8611"),
+                        ("--server.headless", "true"), ("--browser.gatherUsageStats", "false")):
+        assert command[command.index(flag) + 1] == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ui", "--port", "70000"])
+    with socket.socket() as s:  # a port in use: a clear message, no server
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        args = parser.parse_args(["ui", "--port", str(s.getsockname()[1])])
+        assert args.func(args) == 2
+    assert "is in use" in capsys.readouterr().err

@@ -1,0 +1,181 @@
+"""A real browser on a real `kvtune ui`: each page opens in headless Chromium, shows its title and no error.
+
+Debian's chromium and chromium-driver (`make setup` installs them), driven by
+Selenium. Skipped, with the reason, only when they cannot be installed.
+Screenshots land in the test's tmp_path (printed; `pytest -s` shows where).
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+from serverproc import ServerProcess, free_port
+from test_ui import DEVICE, PAGES, PRESET, seed_database
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+# The flags this machine's closed network needs: no background connections, no sandbox as root.
+CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--disable-dev-shm-usage", "--window-size=1440,2000")
+URL_PATHS = {"runs.py": "", "search.py": "search", "diagnoses.py": "diagnoses", "planner.py": "planner",
+             "live.py": "live"}
+PAGE_TIMEOUT_S = 60
+
+
+def chromium_missing() -> str | None:
+    """None when Chromium and its driver are there (installed now if need be), else why not."""
+    if os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER):
+        return None
+    if shutil.which("apt-get") is None or os.geteuid() != 0:
+        return "Chromium is not installed and apt-get (as root) is not available to install it"
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium", "chromium-driver"]
+    tail = ""
+    for command in (install, ["apt-get", "update"], install):
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900)
+        tail = (done.stdout + done.stderr)[-500:]
+        if os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER):
+            return None
+    return f"cannot install Debian's chromium and chromium-driver: {tail}"
+
+
+def ui_command(db: str, port: int) -> list[str]:
+    """`python -m kvtune ui` once kvtune's CLI has the command; until then the module on its own."""
+    from kvtune.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    module = ["kvtune", "ui"] if "ui" in sub.choices else ["kvtune.ui.cli"]
+    return [sys.executable, "-m", *module, "--db", db, "--port", str(port)]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    reason = chromium_missing()
+    if reason:
+        print(f"skipping the browser test: {reason}")
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="kvtune-chromium-")
+    for flag in (*CHROME_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ui_browser")
+    seeded = seed_database(folder)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(folder / "ui.log", "w+") as log:
+        proc = subprocess.Popen(ui_command(seeded.db, port), stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            _wait_healthy(proc, url, log)
+            log.seek(0)
+            assert log.readline().strip() == f"kvtune ui: {url} (database {seeded.db})"
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+
+def _wait_healthy(proc, url: str, log) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"kvtune ui exited with {proc.returncode}:\n{log.read()}")
+        try:
+            if httpx.get(url + "/_stcore/health", timeout=1.0).text == "ok":
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("kvtune ui did not answer /_stcore/health within 60 s")
+
+
+def wait_for_page(driver, title: str) -> None:
+    """Until the page's h1 reads its title and Streamlit has finished running the script."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + PAGE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        titles = [h.text.strip() for h in driver.find_elements(By.CSS_SELECTOR, "h1")]
+        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        if title in titles and not running:
+            time.sleep(1.5)  # plotly draws after the script ends
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"page {title!r} did not render within {PAGE_TIMEOUT_S} s; h1: {titles}")
+
+
+@pytest.mark.parametrize("page", list(PAGES))
+def test_page_renders_in_chromium(page, ui, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{ui}/{URL_PATHS[page]}")
+    wait_for_page(browser, PAGES[page])
+    shot = tmp_path / f"{page.removesuffix('.py')}.png"
+    browser.save_screenshot(str(shot))
+    print(f"screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
+    errors = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], '
+                                                    '[data-testid="stAlertContentError"]')
+    assert not errors, [e.text for e in errors]
+    assert [h.text.strip() for h in browser.find_elements(By.CSS_SELECTOR, "h1")] == [PAGES[page]]
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert "Traceback" not in body
+    if page in ("runs.py", "search.py", "planner.py"):
+        assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]')
+
+
+def test_live_page_updates_in_chromium(ui, browser, tmp_path):
+    """The Live page's fragment reruns on its own in a real browser: the scrape count grows, no click needed."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    server = ServerProcess("--executor", "sim", "--preset", PRESET, "--device", DEVICE)
+    try:
+        browser.get(f"{ui}/live")
+        wait_for_page(browser, "Live")
+        field = browser.find_element(By.CSS_SELECTOR, 'input[aria-label="Server URL"]')
+        field.send_keys(server.url, Keys.ENTER)
+        time.sleep(1.0)  # the rerun that commits the text
+        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Start").click()
+        deadline, scrapes = time.monotonic() + 30, 0
+        while time.monotonic() < deadline and scrapes < 3:
+            time.sleep(0.5)
+            body = browser.find_element(By.TAG_NAME, "body").text
+            found = re.search(r"Watching \S+/metrics: (\d+) scrapes", body)
+            scrapes = int(found.group(1)) if found else 0
+        assert scrapes >= 3, body
+        # Stop first: every rerun redraws the chart, and a screenshot mid-redraw shows it blank.
+        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Stop").click()
+        wait_for_page(browser, "Live")
+        assert re.search(r"Stopped watching \S+/metrics: \d+ scrapes", browser.find_element(By.TAG_NAME, "body").text)
+        shot = tmp_path / "live-watching.png"
+        browser.save_screenshot(str(shot))
+        print(f"screenshot: {shot}")
+        assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]')
+        assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], '
+                                                          '[data-testid="stAlertContentError"]')
+    finally:
+        server.stop()
