@@ -1,14 +1,10 @@
 """The store: exact round trips on real SQLite files (and a throwaway PostgreSQL where one is installed)."""
 import dataclasses
-import glob
 import json
 import math
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -29,6 +25,9 @@ from kvtune.store import (
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload
 
+import pgserver
+from serverproc import free_port
+
 MODEL, DEVICE = model_preset("llama-3-8b"), device_preset("h100-80gb")
 OPTUNA_TABLES = {"studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials",
                  "trial_params", "trial_values", "trial_user_attributes", "trial_system_attributes",
@@ -48,58 +47,14 @@ def as_json(result: RunResult) -> str:
 
 # ---------------------------------------------------------------- backends
 
-def _pg_bin() -> str | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-    path = found[-1] if found else shutil.which("pg_ctl")
-    return os.path.dirname(path) if path and os.path.exists(os.path.join(os.path.dirname(path), "initdb")) else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def postgres_server():
-    """A throwaway PostgreSQL cluster on 127.0.0.1; yields its base URL (no database name)."""
-    pytest.importorskip("psycopg", reason="psycopg (the postgresql:// driver) not installed")
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not installed")
-    prefix = []
-    if os.geteuid() == 0:  # initdb refuses to run as root
-        if shutil.which("runuser") is None or subprocess.run(["id", "postgres"], capture_output=True, check=False).returncode:
-            pytest.skip("running as root without a 'postgres' user to run initdb as")
-        prefix = ["runuser", "-u", "postgres", "--"]
-    home = tempfile.mkdtemp(prefix="kvtune-pg-")
-    if prefix:
-        shutil.chown(home, "postgres")
-    data, port = os.path.join(home, "data"), _free_port()
-
-    def pg(*args):
-        return subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=60, check=False)
-
+    """A throwaway PostgreSQL cluster on 127.0.0.1 (tests/pgserver.py); yields its base URL."""
     try:
-        made = pg(f"{bindir}/initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        if made.returncode:
-            pytest.skip(f"initdb failed: {made.stderr.strip()[-300:]}")
-        started = pg(f"{bindir}/pg_ctl", "-D", data, "-l", os.path.join(home, "log"), "-w", "-t", "30",
-                     "-o", f"-p {port} -h 127.0.0.1 -k {home} -F", "start")
-        if started.returncode:
-            pytest.skip(f"pg_ctl start failed: {started.stderr.strip()[-300:]}")
-        yield f"postgresql://postgres@127.0.0.1:{port}"
-        pg(f"{bindir}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop")
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-
-
-def _fresh_pg_database(server_url: str, name: str) -> str:
-    import psycopg
-    with psycopg.connect(f"{server_url}/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
-    return f"{server_url}/{name}"
+        with pgserver.postgres_server() as base_url:
+            yield base_url
+    except pgserver.PostgresUnavailable as err:
+        pytest.skip(str(err))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -108,7 +63,7 @@ def store(request, tmp_path):
         url = f"sqlite:///{tmp_path / 'kvtune.db'}"
     else:
         server = request.getfixturevalue("postgres_server")
-        url = _fresh_pg_database(server, f"t_{abs(hash(request.node.name)) % 10**9}")
+        url = pgserver.fresh_database(server, f"t_{abs(hash(request.node.name)) % 10**9}")
     with Store(url) as s:
         yield s
 
@@ -345,7 +300,7 @@ def test_bad_urls_give_clear_errors(url, message):
 
 def test_refused_postgres_connection_is_a_clear_error():
     pytest.importorskip("psycopg", reason="psycopg (the postgresql:// driver) not installed")
-    url = f"postgresql://kv:secret@127.0.0.1:{_free_port()}/kvtune"
+    url = f"postgresql://kv:secret@127.0.0.1:{free_port()}/kvtune"
     with pytest.raises(StoreError) as err:
         Store(url)
     text = str(err.value)

@@ -204,11 +204,12 @@ def _trial_row(m: Measurement, data: ReportData) -> list[str]:
     figures = [value_text(info, m.value)] if info.objective == "capacity" else []
     figures += [fmt.rps(m.goodput_rps), fmt.rps(m.throughput_rps), *(fmt.ms(m.observed.get(s.name)) for s in info.slos)]
     row += figures if m.ok else [fmt.MISSING] * len(figures)
-    row.append(_note(m))
+    row.append(trial_note(m))
     return row
 
 
-def _note(m: Measurement) -> str:
+def trial_note(m: Measurement) -> str:
+    """Why a trial's row reads as it does: its failure, a reused measurement, failed requests."""
     if m.reason:
         return m.reason.splitlines()[0][:300]
     if m.duplicate_of is not None:

@@ -10,6 +10,7 @@ import streamlit as st
 from kvtune.report import fmt
 from kvtune.report.data import ReportData, ReportError
 from kvtune.report.launch import engine_config, launch_commands, model_export
+from kvtune.report.sections import trial_note
 from kvtune.report.verdict import Candidate, Measurement
 from kvtune.report.words import (
     metric_label,
@@ -83,7 +84,7 @@ def trials_frame(report: ReportData) -> pd.DataFrame:
                 value = m.summary.get(key)
                 row[f"{metric_label(key)} (ms)"] = value * 1000 if m.ok and value is not None else None
         row["run"] = m.run_id
-        row["note"] = note(m)
+        row["note"] = trial_note(m)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -91,16 +92,6 @@ def trials_frame(report: ReportData) -> pd.DataFrame:
 def _cell(value):
     # Knob columns mix bools, ints and strings across studies: keep each column one type for sorting.
     return fmt.param("", value) if isinstance(value, bool) else value
-
-
-def note(m: Measurement) -> str:
-    if m.reason:
-        return m.reason.splitlines()[0][:300]
-    if m.duplicate_of is not None:
-        return f"same config as trial {m.duplicate_of}: its measurement reused"
-    if m.failed_requests:
-        return f"{m.failed_requests} requests failed"
-    return ""
 
 
 def latency_axis(report: ReportData) -> str:
