@@ -9,6 +9,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
 from kvengine.config import ConfigError  # noqa: E402
 
+from .calibrate import add_calibrate_command  # noqa: E402
 from .diagnose import add_diagnose_command  # noqa: E402
 from .plan_cli import add_plan_command  # noqa: E402
 from .report import ReportError, add_report_command  # noqa: E402
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_command(sub)
     add_plan_command(sub)
     add_ui_command(sub)
+    add_calibrate_command(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ import sys
 from kvengine.config import device_preset, model_preset
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
+from .calibrate import get_profile
 from .results import RunResult
 from .store import Store, add_db_argument, resolve_db_url
 from .targets import (EngineTarget, LiveOptions, SglangTarget, SimTarget, TargetRunError, TargetStartError,
@@ -49,6 +50,9 @@ def add_run_command(sub) -> None:
                                                       "engine target (default: h100-80gb; cpu for torch)")
     g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local "
                                                     "Hugging Face folder")
+    g.add_argument("--profile", metavar="NAME",
+                   help="sim target: a calibrated cost profile (kvtune calibrate --name NAME); its model and "
+                        "device replace the presets")
     g.add_argument("--executor", choices=("torch", "sim"), default="torch",
                    help="the engine target's executor (default: %(default)s)")
     g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
@@ -81,6 +85,10 @@ def build_target(args):
     options = LiveOptions(users=args.users, workers=args.workers, scrape_interval_s=args.scrape_interval,
                           drain_timeout_s=args.drain_timeout, device=device or "unknown")
     if args.target == "sim":
+        if args.profile:
+            profile = get_profile(args.db, args.profile)
+            model, dev = profile.specs()
+            return SimTarget(model, dev, profile.coefficients), profile.model, profile.device
         return SimTarget(model_preset(preset), device_preset(device)), preset, device
     if args.target == "engine":
         if args.executor == "sim":

@@ -270,6 +270,15 @@ class DbDiagnosis(Base):
     fix: Mapped[str] = mapped_column(Text)
 
 
+class DbProfile(Base):
+    """A named cost profile (`kvtune calibrate`): fitted coefficients and what they hold for."""
+    __tablename__ = "kvtune_profiles"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(default=_utcnow)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    data: Mapped[dict]
+
+
 # ---------------------------------------------------------------- returned rows
 
 @dataclasses.dataclass
@@ -525,6 +534,22 @@ class Store:
         with self._read.begin() as session:
             return [DiagnosisRow(d.fault_id, d.severity, d.symptom, d.evidence, d.cause, d.fix)
                     for d in session.scalars(query)]
+
+    # ------------------------------------------------------------ cost profiles
+
+    def save_profile(self, name: str, data: dict) -> None:
+        """Store a named cost profile, replacing one of the same name."""
+        with self._write.begin() as session:
+            session.execute(delete(DbProfile).where(DbProfile.name == name))
+            session.add(DbProfile(name=name, data=data))
+
+    def load_profile(self, name: str) -> dict | None:
+        with self._read.begin() as session:
+            return session.scalar(select(DbProfile.data).where(DbProfile.name == name))
+
+    def list_profiles(self) -> list[str]:
+        with self._read.begin() as session:
+            return list(session.scalars(select(DbProfile.name).order_by(DbProfile.name)))
 
     # ------------------------------------------------------------ plumbing
 

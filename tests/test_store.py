@@ -256,7 +256,7 @@ def test_tables_are_prefixed_and_schema_creation_is_idempotent(tmp_path):
         assert len(second.load_run(run_id).requests) == 4
     tables = set(inspect(create_engine(url)).get_table_names())
     assert tables == {"kvtune_runs", "kvtune_requests", "kvtune_series", "kvtune_samples",
-                      "kvtune_trials", "kvtune_diagnoses"}
+                      "kvtune_trials", "kvtune_diagnoses", "kvtune_profiles"}
     assert not tables & OPTUNA_TABLES
 
 

@@ -26,6 +26,9 @@ class CostCoefficients:
     step_overhead_s: float = 1.5e-3  # scheduling, input prep, launch, sampling per step
     per_seq_overhead_s: float = 1.0e-5  # per scheduled request per step
     block_overhead_tokens: float = 2.0  # K/V read efficiency = bs / (bs + this)
+    # Share of HBM bandwidth the paged K/V reads reach, when it differs from the weights'
+    # (gathers through block tables, padded batches); None: memory_efficiency.
+    kv_memory_efficiency: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,7 +39,7 @@ class StepCost:
     """The per-configuration constants of the roofline, computed once."""
 
     weight_bytes: float
-    kv_read_bytes_per_token: float  # divided by the block-size efficiency
+    kv_read_bytes_per_token: float  # divided by the block-size (and K/V bandwidth) efficiency
     kv_write_bytes_per_token: float
     flops_per_token: float
     attention_flops_per_pair: float  # per (query token, context token) pair
@@ -52,6 +55,8 @@ class StepCost:
         c = coeffs or CostCoefficients()
         kv_token = kv_bytes_per_token(model, kv_cache_dtype)
         block_eff = block_size / (block_size + c.block_overhead_tokens)
+        if c.kv_memory_efficiency is not None:  # slower (or faster) K/V reads: more (fewer) bytes at the same rate
+            block_eff *= c.kv_memory_efficiency / c.memory_efficiency
         # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
         attn_pair = 4.0 * model.num_heads * model.head_dim * model.num_layers
         return cls(

@@ -7,6 +7,7 @@ import time
 
 from kvengine.config import EngineConfig, device_preset, model_preset
 
+from ..calibrate import get_profile
 from ..store import Store, add_db_argument, resolve_db_url
 from ..targets import EngineTarget, LiveOptions, SglangTarget, SimTarget, VllmTarget
 from ..workload import FORMATS, head, read_workload
@@ -48,6 +49,9 @@ def add_search_command(sub) -> None:
     g.add_argument("--preset", default="llama-3-8b", help="model preset (default: %(default)s)")
     g.add_argument("--device", default="h100-80gb", help="device preset (default: %(default)s)")
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
+    g.add_argument("--profile", metavar="NAME",
+                   help="a calibrated cost profile (kvtune calibrate --name NAME) for stage 1; its model and "
+                        "device replace --preset/--device")
     g = p.add_argument_group("stage 2")
     g.add_argument("--target", choices=LIVE_TARGETS, default="engine",
                    help="where to re-run the best configs; none skips stage 2 (default: %(default)s)")
@@ -89,18 +93,24 @@ def cmd_search(args) -> int:
     optional = tuple(name for name, on in (("max_num_batched_tokens", args.search_batched_tokens),
                                            ("enable_prefix_caching", args.search_prefix_caching)) if on)
     space = load_space(args.space_file, args.space, optional)
-    model, device = model_preset(args.preset), device_preset(args.device)
+    coefficients = None
+    if args.profile:
+        profile = get_profile(args.db, args.profile)
+        (model, device), coefficients = profile.specs(), profile.coefficients
+        args.preset, args.device = profile.model, profile.device
+    else:
+        model, device = model_preset(args.preset), device_preset(args.device)
     base = EngineConfig(max_model_len=args.max_model_len)
     default = base.resolve(model, device)
     workload = read_workload(args.workload, format=args.format)
     db_url = resolve_db_url(args.db)
     store = Store(db_url)
     name = _study_name(args)
-    attrs = {"workload": args.workload, "preset": args.preset, "device": args.device,
+    attrs = {"workload": args.workload, "preset": args.preset, "device": args.device, "profile": args.profile,
              "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
              "latency": args.latency}
     study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
-    sim = SimTarget(model, device)
+    sim = SimTarget(model, device, coefficients)
     stage1 = Stage1(study, space, base, objective, sim.run, workload, store, args.trials)
     dflt = default_params(space, default)
     if representable(space, dflt):

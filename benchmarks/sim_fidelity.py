@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""How well the sim predicts a live server, calibrated and not.
+
+Calibrates against the bundled engine's torch executor on the CPU (`kvengine
+serve --executor torch --preset tiny --device cpu`, started by kvtune), then
+replays held-out workloads, shaped unlike the probes, on the live engine and
+on the sim (calibrated, and the plain roofline):
+
+* azure:  a slice of the Azure 2023 conversation trace, lengths scaled to the
+          tiny model's 4096 context and a CPU's speed;
+* prefix: a synthetic workload sharing system prompts (kvtune.workload.synthesize);
+* bursty: another Azure slice re-timed as a bursty gamma process (burstiness 0.3).
+
+Prints predicted vs measured TTFT p50/p95, TPOT p50/p95, throughput and
+preemptions with relative errors, next to the roofline's. Goal: within 15% on
+the p50s and 25% on the p95s. About 6 minutes on 2 cores (--quick: about 2).
+
+    python benchmarks/sim_fidelity.py [--quick] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from kvengine.config import EngineConfig, model_preset
+from kvengine.torch_executor import torch_device_spec
+
+from kvtune.calibrate import calibrate_url, format_profile
+from kvtune.calibrate.profile import with_client_overhead
+from kvtune.targets import EngineTarget, LiveOptions, SimTarget
+from kvtune.targets.live import run_live
+from kvtune.targets.process import ManagedServer, free_port
+from kvtune.workload import (
+    IntDist,
+    SynthSpec,
+    length_scale,
+    read_workload,
+    retime,
+    synthesize,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+TRACE = REPO / "traces" / "AzureLLMInferenceTrace_conv.csv"
+P50S = ("ttft_p50", "tpot_p50")
+P95S = ("ttft_p95", "tpot_p95")
+COLUMNS = (*P50S, *P95S, "output_tok_s", "preemptions")
+GOALS = {"p50": 0.15, "p95": 0.25}
+
+
+def azure_slice(start: int, count: int):
+    """Requests [start, start+count) of the Azure conversation trace, from time 0, with
+    lengths x0.25 (the tiny model's 4096 context, a CPU's speed)."""
+    trace = read_workload(str(TRACE))
+    part = trace.with_requests(trace.requests[start:start + count])
+    t0 = part.requests[0].arrival_s
+    part = part.with_requests([dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in part.requests])
+    return length_scale(part, 0.25, max_input=3000, max_output=400)
+
+
+def workloads(quick: bool) -> list[tuple[str, object]]:
+    n = 90 if quick else 280
+    azure = azure_slice(2000, n)
+    prefix = synthesize(SynthSpec(num_requests=n, rate=4.0, system_prompts=4, system_prompt_len=768,
+                                  input_len=IntDist.uniform(32, 384), output_len=IntDist.uniform(16, 128),
+                                  seed=7))
+    bursty = retime(azure_slice(9000, n), rate=4.0, burstiness=0.3, seed=3)
+    return [("azure", azure), ("prefix", prefix), ("bursty", bursty)]
+
+
+def rel(pred, meas):
+    if pred is None or meas is None:
+        return None
+    if meas == 0:
+        return 0.0 if pred == 0 else None
+    return pred / meas - 1.0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 2 minutes)")
+    ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    args = ap.parse_args(argv)
+    if not TRACE.exists():
+        print(f"error: {TRACE}: no such file", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    config = EngineConfig()
+    options = LiveOptions(device="cpu", drain_timeout_s=120, scrape_interval_s=2.0)
+    target = EngineTarget(options, executor="torch", preset="tiny", device="cpu")
+    port = free_port()
+    # One server for the calibration and every held-out run: warm (no cold first requests),
+    # its prefix cache reset before each run, as a fresh one would have it.
+    with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
+        print(f"# calibrating against {' '.join(target.command(config, port)[2:])}", flush=True)
+        profile = calibrate_url(server.url, "tiny", "cpu", config, "sim-fidelity", target="engine",
+                                executor="torch", quick=args.quick, check_alive=server.check_alive)
+        print(format_profile(profile), flush=True)
+        model, device = model_preset("tiny"), torch_device_spec("cpu")  # the live server's pool: its 2 GiB
+        rows = []
+        for name, workload in workloads(args.quick):
+            t0 = time.perf_counter()
+            httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            live = run_live(server.url, workload, "engine", "tiny", config, options, check_alive=server.check_alive)
+            calibrated = with_client_overhead(
+                SimTarget(model, device, profile.coefficients).run(config, workload), profile.client_overhead_s,
+                profile.client_overhead_busy_s)
+            roofline = SimTarget(model, device).run(config, workload)
+            rows.append((name, len(workload), live.summary, calibrated.summary, roofline.summary))
+            print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live run "
+                  f"{time.perf_counter() - t0:.0f} s ({live.summary['failed']} failed)", flush=True)
+    load_after = os.getloadavg()
+    print(format_table(rows))
+    out = {"calibrated": summary_errors(rows, 3), "uncalibrated": summary_errors(rows, 4),
+           "client_overhead_s": profile.client_overhead_s, "client_overhead_busy_s": profile.client_overhead_busy_s, "coefficients": profile.coefficients.to_dict(),
+           "fit_residuals": profile.residuals, "wall_s": round(time.perf_counter() - t_start, 1),
+           "load_average": [round(load_before[0], 2), round(load_after[0], 2)]}
+    print(verdict(out))
+    print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs: "
+          "other work on this machine shows as live latency the sim cannot know about")
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def summary_errors(rows, column: int) -> dict:
+    errors = {}
+    for name, _, live, *sims in rows:
+        sim = sims[column - 3]
+        errors[name] = {k: rel(sim.get(k), live.get(k)) for k in COLUMNS}
+    def worst(keys):
+        values = [abs(e[k]) for e in errors.values() for k in keys if e[k] is not None]
+        return round(max(values), 4) if values else None
+    return {"max_rel_error_p50": worst(P50S), "max_rel_error_p95": worst(P95S),
+            "max_rel_error_throughput": worst(("output_tok_s",)), "per_workload": errors}
+
+
+def _fmt(key, value):
+    if value is None:
+        return "-"
+    if key == "preemptions":
+        return f"{int(value)}"
+    if key == "output_tok_s":
+        return f"{value:.1f}"
+    return f"{value * 1000:.1f}"
+
+
+def _err(e):
+    return "" if e is None else f"{e:+.0%}"
+
+
+def format_table(rows) -> str:
+    lines = ["", f"{'workload':10}{'metric':14}{'live':>10}{'calibrated':>12}{'err':>7}{'roofline':>11}{'err':>7}"]
+    for name, n, live, cal, unc in rows:
+        for k in COLUMNS:
+            unit = "tok/s" if k == "output_tok_s" else ("" if k == "preemptions" else "ms")
+            lines.append(f"{name:10}{k + (' ' + unit if unit else ''):14}{_fmt(k, live.get(k)):>10}"
+                         f"{_fmt(k, cal.get(k)):>12}{_err(rel(cal.get(k), live.get(k))):>7}"
+                         f"{_fmt(k, unc.get(k)):>11}{_err(rel(unc.get(k), live.get(k))):>7}")
+            name = ""
+    return "\n".join(lines)
+
+
+def verdict(out) -> str:
+    c, u = out["calibrated"], out["uncalibrated"]
+    def ok(v, goal):
+        return v is not None and v <= goal
+    return (f"\ncalibrated sim: worst p50 error {c['max_rel_error_p50']:.0%} (goal {GOALS['p50']:.0%}: "
+            f"{'met' if ok(c['max_rel_error_p50'], GOALS['p50']) else 'missed'}), worst p95 error "
+            f"{c['max_rel_error_p95']:.0%} (goal {GOALS['p95']:.0%}: "
+            f"{'met' if ok(c['max_rel_error_p95'], GOALS['p95']) else 'missed'}); uncalibrated roofline: "
+            f"{u['max_rel_error_p50']:.0%} / {u['max_rel_error_p95']:.0%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

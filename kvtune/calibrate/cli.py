@@ -1,0 +1,255 @@
+"""`kvtune calibrate`: probe a live server, fit the cost model, save a named profile.
+
+    kvtune calibrate --target engine --name cpu-tiny            # kvengine serve, torch executor, tiny, cpu
+    kvtune calibrate --target vllm --model meta-llama/Meta-Llama-3-8B --preset llama-3-8b --device h100-80gb
+    kvtune calibrate --target http://gpu-box:8000 --preset llama-3-8b --device h100-80gb --name h100-prod
+    kvtune run --target sim --profile cpu-tiny ...               # the sim, with the fitted coefficients
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
+from kvengine.cost import CostCoefficients
+from kvengine.flags import add_engine_flags, config_from_args, parse_size
+
+from ..store import Store, add_db_argument, resolve_db_url
+from ..targets import (
+    EngineTarget,
+    LiveOptions,
+    SglangTarget,
+    TargetStartError,
+    VllmTarget,
+)
+from ..targets.process import ManagedServer, free_port
+from ..workload.cli import positive_float, positive_int
+from .fit import fit, step_shapes
+from .probes import (
+    CalibrationError,
+    ProbeOptions,
+    ServerInfo,
+    design_probes,
+    run_probes,
+    server_info,
+)
+from .profile import CalibrationProfile, save_profile
+
+TARGETS = ("engine", "vllm", "sglang")
+# Per target (and engine executor): the model and device presets when none is given.
+DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
+FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
+
+
+def target_arg(text: str) -> str:
+    import argparse
+    if text in TARGETS or text.startswith(("http://", "https://")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected one of {', '.join(TARGETS)} or a server URL "
+                                     f"(http://host:port), got {text!r}")
+
+
+def add_calibrate_command(sub) -> None:
+    p = sub.add_parser(
+        "calibrate", help="fit the sim's cost model to a live server and save it as a named profile",
+        description="Probe a live server with a designed set of requests (prefill lengths, decode batch "
+                    "sizes, long contexts, prefix hits), fit kvengine's cost coefficients to the timings by "
+                    "least squares, report the residuals per probe class, and save the named profile in the "
+                    "store for `kvtune run/search --target sim --profile NAME`.")
+    p.add_argument("--target", type=target_arg, default="engine", metavar="TARGET",
+                   help="engine (start kvengine serve), vllm, sglang, or the URL of a running server "
+                        "(default: %(default)s)")
+    p.add_argument("--name", metavar="PROFILE",
+                   help="the profile's name (default: from the target, model and device); an existing "
+                        "profile of that name is replaced")
+    g = p.add_argument_group("model and device (the presets the sim will run with the profile)")
+    g.add_argument("--preset", metavar="MODEL", help="model preset of the served model (default: tiny for the "
+                                                     "engine's torch executor, else llama-3-8b)")
+    g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for the engine's torch "
+                                                      "executor, else h100-80gb)")
+    g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local Hugging "
+                                                    "Face folder")
+    g.add_argument("--executor", choices=("torch", "sim"), default="torch",
+                   help="the engine target's executor (default: %(default)s)")
+    g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                   help="engine target on the CPU: the memory budget (e.g. 2GiB)")
+    g.add_argument("--cost-profile", metavar="FILE",
+                   help="engine target with --executor sim: serve these coefficients (JSON), e.g. to check "
+                        "that calibration recovers them")
+    add_engine_flags(p)
+    g = p.add_argument_group("probes")
+    g.add_argument("--quick", action="store_true", help="a smaller probe set (about half the requests)")
+    g.add_argument("--max-batch", type=positive_int, default=64,
+                   help="largest decode batch probed, capped at --max-num-seqs (default: %(default)s)")
+    g.add_argument("--max-prompt", type=positive_int, metavar="TOKENS",
+                   help="longest probe prompt (default: the server's max_model_len less 64)")
+    g.add_argument("--probe-timeout", type=positive_float, default=900.0, metavar="S",
+                   help="limit on the whole probe run (default: %(default)s)")
+    g.add_argument("--request-timeout", type=positive_float, default=120.0, metavar="S",
+                   help="limit on one probe request (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="probe prompts' seed (default: %(default)s)")
+    g = p.add_argument_group("servers kvtune starts")
+    g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="how long a started server may take to become healthy (default: %(default)s)")
+    g.add_argument("--vllm-command", default="vllm", help="how to run vLLM (default: %(default)s)")
+    g.add_argument("--sglang-python", default="python3", help="the python that has sglang")
+    g.add_argument("--server-args", default="", help="extra arguments for the vllm or sglang server")
+    add_db_argument(p)
+    p.add_argument("--no-save", action="store_true", help="fit and report, but store nothing")
+    p.add_argument("--json", action="store_true", help="end with the profile (less its observations) as one "
+                                                       "JSON object")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def default_name(target: str, executor: str | None, preset: str, device: str) -> str:
+    kind = "url" if target.startswith(("http://", "https://")) else target
+    parts = [kind] + ([executor] if kind == "engine" and executor else []) + [preset, device]
+    return "-".join(parts)
+
+
+def cmd_calibrate(args) -> int:
+    key = f"engine:{args.executor}" if args.target == "engine" else args.target
+    preset, device = DEFAULT_SPECS.get(key, FALLBACK_SPECS)
+    preset, device = args.preset or preset, args.device or device
+    model_preset(preset), device_preset(device)  # unknown presets fail before anything starts
+    config = config_from_args(args)
+    if args.cost_profile and not (args.target == "engine" and args.executor == "sim"):
+        raise ConfigError("--cost-profile needs --target engine --executor sim")
+    name = args.name or default_name(args.target, args.executor, preset, device)
+    store = None if args.no_save else Store(resolve_db_url(args.db))  # a bad --db fails before any probe
+    options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
+    plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
+    try:
+        if args.target.startswith(("http://", "https://")):
+            profile = calibrate_url(args.target, preset, device, config, name, options=options, target="url",
+                                    progress=_progress, **plan_args)
+        else:
+            server = _server_target(args, config, preset, device)
+            profile = calibrate_target(server, config, preset, device, name, options=options,
+                                       cost_profile=args.cost_profile, progress=_progress, **plan_args)
+    except (CalibrationError, TargetStartError) as err:
+        print(f"error: calibrate: {err}", file=sys.stderr)
+        print("nothing saved", file=sys.stderr)
+        if store is not None:
+            store.close()
+        return 1
+    print(format_profile(profile))
+    if store is not None:
+        with store:
+            save_profile(store, profile)
+        print(f"profile {profile.name!r} stored in {store.display_url}; use it with "
+              f"`kvtune run --target sim --profile {profile.name}`")
+    if args.json:
+        data = profile.to_dict()
+        data.pop("observations")
+        print(json.dumps(data))
+    return 0
+
+
+def _server_target(args, config: EngineConfig, preset: str, device: str):
+    options = LiveOptions(device=device)
+    if args.target == "engine":
+        return EngineTarget(options, args.start_timeout, executor=args.executor, preset=preset, device=device,
+                            model_path=args.model,
+                            device_memory=str(args.device_memory) if args.device_memory else None)
+    if args.target == "vllm":
+        return VllmTarget(options, args.start_timeout, model=args.model or "", vllm_command=args.vllm_command,
+                          extra_args=args.server_args)
+    return SglangTarget(options, args.start_timeout, model=args.model or "", python=args.sglang_python,
+                        extra_args=args.server_args)
+
+
+def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
+                     cost_profile: str | None = None, **kwargs) -> CalibrationProfile:
+    """Start the target's server with `config` (as a trial would), calibrate against it, stop it."""
+    port = free_port()
+    command = server_target.command(config, port)
+    if cost_profile:
+        command += ["--cost-profile", cost_profile]
+    server = ManagedServer(command, port, server_target.start_timeout_s, env={"OMP_NUM_THREADS": "1"})
+    with server:
+        return calibrate_url(server.url, preset, device, config, name, target=server_target.name,
+                             executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
+                             **kwargs)
+
+
+def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | None, name: str,
+                  target: str = "url", executor: str | None = None, quick: bool = False, max_batch: int = 64,
+                  max_prompt: int | None = None, options: ProbeOptions | None = None, check_alive=None,
+                  progress=None, base: CostCoefficients | None = None) -> CalibrationProfile:
+    """Probe the server at `url` (which serves `preset` on `device`, configured as
+    `config` describes, where /metrics does not say), fit, and return the profile."""
+    model, device_spec = model_preset(preset), device_preset(device)
+    info = server_info(url)
+    server_config = _server_config(config or EngineConfig(), info, model, device_spec)
+    pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
+    plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
+                         max_prompt=max_prompt, pool_tokens=pool,
+                         batch_tokens=server_config.max_num_batched_tokens, quick=quick)
+    if progress:
+        progress(f"probing {url} ({info.model_name}, max_model_len {info.max_model_len}): {len(plan)} probes, "
+                 f"{plan.num_requests} requests")
+    t0 = time.perf_counter()
+
+    def each(i, n, run):
+        if progress:
+            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.probe.measures)
+            progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
+
+    runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
+    probe_wall = time.perf_counter() - t0
+    kv_dtype = server_config.kv_cache_dtype
+    shapes, observations = step_shapes(runs, model, device_spec, server_config)
+    result = fit(shapes, observations, model, device_spec, kv_dtype, server_config.block_size, base=base)
+    return CalibrationProfile(
+        name=name, model=model.name, device=device, coefficients=result.coefficients,
+        client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
+        target=target, url=url, executor=executor,
+        served_model=info.model_name,
+        server=info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
+        residuals=result.residuals(), roofline_residuals=result.initial,
+        observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
+                       "predicted_s": o.predicted_s} for o in result.observations],
+        probe_wall_s=round(probe_wall, 2), fit={"cost": result.cost, "nfev": result.nfev, "message": result.message})
+
+
+def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
+    """The flags' config, corrected by what the server says about itself."""
+    import dataclasses
+
+    from kvengine.config import KV_CACHE_DTYPES
+    changes = {"max_model_len": min(info.max_model_len, model.max_position_embeddings)}
+    if info.block_size:
+        changes["block_size"] = info.block_size
+    if info.enable_prefix_caching is not None:
+        changes["enable_prefix_caching"] = info.enable_prefix_caching
+    if info.kv_cache_dtype in KV_CACHE_DTYPES:
+        changes["kv_cache_dtype"] = info.kv_cache_dtype
+    return dataclasses.replace(config, num_gpu_blocks_override=None, **changes).resolve(model, device)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def format_profile(profile: CalibrationProfile) -> str:
+    c = profile.coefficients
+    lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
+             + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
+             f"in {profile.probe_wall_s:.0f} s of probes",
+             f"  memory_efficiency     {c.memory_efficiency:10.4g}",
+             f"  compute_efficiency    {c.compute_efficiency:10.4g}",
+             f"  attention_efficiency  {c.attention_efficiency:10.4g}",
+             "  kv_memory_efficiency  " + (f"{c.kv_memory_efficiency:10.4g}" if c.kv_memory_efficiency is not None
+                                            else "    (= memory_efficiency)"),
+             f"  step_overhead_s       {c.step_overhead_s:10.4g}",
+             f"  per_seq_overhead_s    {c.per_seq_overhead_s:10.4g}",
+             (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
+              f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
+             "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
+    for kind, r in profile.residuals.items():
+        u = profile.roofline_residuals.get(kind, {})
+        lines.append(f"  {kind:<10} n={r['n']:<3}                   {r['rms']:6.1%} {r['max']:6.1%} "
+                     f"{r['bias']:+6.1%}          {u.get('rms', float('nan')):7.1%} {u.get('max', float('nan')):7.1%}")
+    return "\n".join(lines)

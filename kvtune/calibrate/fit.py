@@ -1,0 +1,322 @@
+"""Fit kvengine.cost's coefficients to the probes' timings by least squares.
+
+Each observed timing is a sum of engine steps: a TTFT is the steps from the
+request's arrival to its first token (plus the client overhead), a steady ITL
+is the mean of the decode steps while the whole batch decodes. Which steps,
+and their shapes (tokens, sequences, context, attention pairs), come from
+replaying the probe's own prompts through kvengine's scheduler and KV cache
+manager with the server's config: every probe runs alone on an idle engine,
+so the schedule does not depend on the coefficients. A prediction is then
+`sum_j w_j * StepCost.step_time(shape_j)` and the fit moves the coefficients
+(in log space, so all stay positive) to make the predictions' relative errors
+small. The residuals are reported per probe class.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from kvengine.clock import VirtualClock
+from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
+from kvengine.cost import CostCoefficients, StepCost
+from kvengine.engine import LLMEngine
+from kvengine.executor import ExecutorOutput, SimExecutor
+from kvengine.request import SamplingParams
+from scipy.optimize import least_squares
+
+from .probes import ITL, TTFT, CalibrationError, ProbeRun
+
+FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
+          "per_seq_overhead_s")
+KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit`)
+CLIENT = "client_overhead_s"  # on a request reaching an idle server
+CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
+# Bounds of each fitted value (the efficiencies are shares of the device preset's
+# peak; a CPU preset is a rough guess, so they may land far from 1).
+BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
+          "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), "step_overhead_s": (1e-7, 10.0),
+          "per_seq_overhead_s": (1e-10, 1.0), CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
+
+
+# ---------------------------------------------------------------- step shapes
+
+class _RecordingExecutor(SimExecutor):
+    """SimExecutor that notes each step's cost-model inputs."""
+
+    def __init__(self, cost: StepCost):
+        super().__init__(cost)
+        self.shapes: list[tuple[int, int, int, int]] = []
+
+    def execute(self, out) -> ExecutorOutput:
+        self.shapes.append((out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs))
+        return super().execute(out)
+
+
+@dataclass
+class Observation:
+    """One measured timing and the engine steps that make it up."""
+
+    kind: str
+    label: str
+    measure: str  # ttft | itl
+    measured_s: float
+    steps: np.ndarray  # indices into the shape table
+    weights: np.ndarray
+    client: str | None = None  # the client overhead in the timing: "idle" or "busy" (TTFTs)
+    se_s: float = 0.0  # its standard error, from the spread of the samples it is the median of
+    predicted_s: float = math.nan
+
+    @property
+    def rel_error(self) -> float:
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def sim_config(server_config: EngineConfig, model: ModelSpec, runs: list[ProbeRun]) -> EngineConfig:
+    """The server's config for replaying the probes: a pool big enough for them all
+    (the plan's memory arithmetic is no business of a probe replay)."""
+    bs = server_config.block_size
+    max_len = min(server_config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    need = max_len // bs + 2
+    for run in runs:  # each probe replays on a fresh engine
+        trial = run.trials[0]
+        prompts = trial.prompts + trial.background
+        tokens = sum(len(p) + run.probe.max_tokens + 128 + bs for p in prompts) + len(trial.warmup or ()) + bs
+        need = max(need, tokens // bs + 2)
+    return dataclasses.replace(server_config, num_gpu_blocks_override=2 * need + 16, max_model_len=max_len)
+
+
+def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
+                config: EngineConfig) -> tuple[np.ndarray, list[Observation]]:
+    """Replay each probe's first trial through the engine core: the table of distinct
+    step shapes (tokens, seqs, context, pairs) and one Observation per measured timing."""
+    table: dict[tuple, int] = {}
+    observations = []
+    cfg = sim_config(config, model, runs)
+    for run in runs:
+        replay = _replay_loaded if run.probe.background else _replay
+        steps, windows = replay(run, model, device, cfg)
+        index = np.array([table.setdefault(s, len(table)) for s in steps], dtype=int)
+        for measure in run.probe.measures:
+            chosen, weights = windows[measure]
+            if not len(chosen):
+                raise CalibrationError(f"probe {run.probe.label!r}: no steps to measure its {measure} "
+                                       "(too few output tokens)")
+            client = ("busy" if run.probe.background else "idle") if measure == TTFT else None
+            observations.append(Observation(run.probe.kind, run.probe.label, measure, run.measured(measure),
+                                            index[chosen], weights, client, run.spread(measure)))
+    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 4)
+    return shapes, observations
+
+
+def _engine(model, device, cfg) -> tuple[LLMEngine, _RecordingExecutor]:
+    executor = _RecordingExecutor(StepCost.build(model, device, cfg.kv_cache_dtype, cfg.block_size))
+    return LLMEngine(cfg, model, device, executor=executor, clock=VirtualClock(), record_steps=False), executor
+
+
+def _replay(run: ProbeRun, model, device, cfg):
+    """An isolated probe: warm-up alone, then the batch at once. The TTFT spans the
+    first request's steps up to its first token; the steady ITL averages the steps
+    after the last first token and before the first last token (`probes.steady_gaps`'
+    window, whose median gap is their mean: the context, so the step time, grows
+    linearly across it)."""
+    trial = run.trials[0]
+    engine, executor = _engine(model, device, cfg)
+    if trial.warmup is not None:
+        engine.add_request("warmup", trial.warmup, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    first = len(executor.shapes)
+    token_steps: dict[str, list[int]] = {str(i): [] for i in range(len(trial.prompts))}
+    for i, prompt in enumerate(trial.prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=run.probe.max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        result = engine.step()
+        for req, _ in result.new_tokens:
+            token_steps[req.request_id].append(len(executor.shapes) - 1 - first)
+    per_request = [token_steps[str(i)] for i in range(len(trial.prompts))]
+    ttft = np.arange(per_request[0][0] + 1)
+    itl = np.arange(max(s[0] for s in per_request) + 1, min(s[-1] for s in per_request))
+    windows = {TTFT: (ttft, np.ones(len(ttft))), ITL: (itl, np.full(len(itl), 1.0 / max(len(itl), 1)))}
+    return executor.shapes[first:], windows
+
+
+def _replay_loaded(run: ProbeRun, model, device, cfg):
+    """A loaded probe: the background decodes; arrival k comes during the step that gives
+    the background's first request its (sent_at_tokens[k] + 1)-th token, so it waits for
+    half that step (on average: it lands anywhere in it), then its own steps. The
+    background's mean gap while the arrivals come is the mean of those steps, mixed
+    ones included."""
+    trial = run.trials[0]
+    engine, executor = _engine(model, device, cfg)
+    total = max(trial.sent_at_tokens) + 64  # more than the window needs: the live run cut it off
+    reqs = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=total, ignore_eos=True))
+            for i, p in enumerate(trial.background)]
+    rows = []
+    for k, (count, prompt) in enumerate(zip(trial.sent_at_tokens, trial.prompts)):
+        while reqs[0].num_output_tokens < count + 1:
+            engine.step()
+        landed = len(executor.shapes) - 1
+        arrival = engine.add_request(f"a{k}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while not arrival.num_output_tokens:
+            engine.step()
+        rows.append((landed, len(executor.shapes) - 1))
+    shapes = executor.shapes
+    selected = [rows[k] for k in run.loaded_selection()]
+    ttft_steps: dict[int, float] = {}
+    for landed, answered in selected:
+        ttft_steps[landed] = ttft_steps.get(landed, 0.0) + 0.5 / len(selected)
+        for j in range(landed + 1, answered + 1):
+            ttft_steps[j] = ttft_steps.get(j, 0.0) + 1.0 / len(selected)
+    window = list(range(rows[0][0] + 1, rows[-1][1] + 1))  # the gaps after the first send, to the last answer
+    windows = {TTFT: (np.array(sorted(ttft_steps), dtype=int), np.array([ttft_steps[j] for j in sorted(ttft_steps)])),
+               ITL: (np.array(window, dtype=int), np.full(len(window), 1.0 / max(len(window), 1)))}
+    return shapes, windows
+
+
+# ---------------------------------------------------------------- the model
+
+def coefficients_from(values: dict, base: CostCoefficients | None = None) -> CostCoefficients:
+    base = base or CostCoefficients()
+    return dataclasses.replace(base, **{k: float(v) for k, v in values.items() if k in FITTED or k == KV})
+
+
+def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
+               coeffs: CostCoefficients) -> np.ndarray:
+    cost = StepCost.build(model, device, kv_cache_dtype, block_size, coeffs)
+    return np.array([cost.step_time(int(n), int(s), int(c), int(p)) for n, s, c, p in shapes])
+
+
+def predict(observations: list[Observation], times: np.ndarray, client_overhead_s: float,
+            client_overhead_busy_s: float | None = None) -> np.ndarray:
+    overhead = {None: 0.0, "idle": client_overhead_s,
+                "busy": client_overhead_s if client_overhead_busy_s is None else client_overhead_busy_s}
+    return np.array([float(np.dot(o.weights, times[o.steps])) + overhead[o.client] for o in observations])
+
+
+@dataclass
+class FitResult:
+    coefficients: CostCoefficients
+    client_overhead_s: float
+    client_overhead_busy_s: float
+    observations: list[Observation]
+    cost: float  # 0.5 * sum of squared (robust) relative residuals
+    nfev: int
+    message: str
+    initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
+
+    def residuals(self) -> dict:
+        return residual_summary(self.observations)
+
+
+def residual_summary(observations: list[Observation], predicted: np.ndarray | None = None) -> dict:
+    """Per probe class and overall: count, RMS and worst relative error, median bias."""
+    rel = np.array([(p / o.measured_s - 1.0) if predicted is not None else o.rel_error
+                    for o, p in zip(observations, predicted if predicted is not None else [0] * len(observations))])
+    kinds = sorted({o.kind for o in observations}, key=_kind_order)
+    out = {}
+    for kind in [*kinds, "all"]:
+        mask = np.array([kind in ("all", o.kind) for o in observations])
+        r = rel[mask]
+        out[kind] = {"n": int(mask.sum()), "rms": float(np.sqrt(np.mean(r ** 2))),
+                     "max": float(np.max(np.abs(r))), "bias": float(np.median(r))}
+    return out
+
+
+def _kind_order(kind: str) -> int:
+    from .probes import PROBE_KINDS
+    return PROBE_KINDS.index(kind) if kind in PROBE_KINDS else len(PROBE_KINDS)
+
+
+def fit(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
+        kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
+        fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
+        kv_split_gain: float = 0.7) -> FitResult:
+    """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
+    relative errors of the predicted timings; `base` supplies the fixed coefficients
+    (block_overhead_tokens) and the first start.
+
+    Each relative error is divided by its observation's relative standard error, floored
+    at `noise_floor` (and scaled so the floor weighs 1): a jittery TTFT weighs less than
+    a steady ITL, while the cost model's own misfit (beyond the floor) weighs the same
+    everywhere.
+
+    The K/V reads' bandwidth share (kv_memory_efficiency) first shares the weights'; it
+    is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
+    fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
+    free extra coefficient would only trade the weights' read time against the step
+    overhead)."""
+    base = base or CostCoefficients()
+    obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
+    if len(obs) < len(FITTED) + 1:
+        raise CalibrationError(f"{len(obs)} usable timings: too few to fit {len(FITTED)} coefficients")
+    clients = []
+    if fit_client_overhead:
+        clients = [CLIENT] + ([CLIENT_BUSY] if any(o.client == "busy" for o in obs) else [])
+    measured = np.array([o.measured_s for o in obs])
+    scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
+    tied = dataclasses.replace(base, kv_memory_efficiency=None)
+
+    def solve(names: list[str], starts) -> tuple:
+        lo = np.log([BOUNDS[n][0] for n in names])
+        hi = np.log([BOUNDS[n][1] for n in names])
+
+        def unpack(x):
+            values = dict(zip(names, np.exp(x)))
+            client = values.get(CLIENT, 0.0)
+            return coefficients_from(values, tied), client, values.get(CLIENT_BUSY, client)
+
+        def residuals(x):
+            coeffs, client, busy = unpack(x)
+            times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
+            return (predict(obs, times, client, busy) / measured - 1.0) / scale
+
+        best = None
+        for start in starts:
+            x0 = np.clip(np.log([start[n] for n in names]), lo + 1e-9, hi - 1e-9)
+            try:
+                sol = least_squares(residuals, x0, bounds=(lo, hi), loss=loss, f_scale=0.1, x_scale=1.0,
+                                    diff_step=1e-4, max_nfev=400)
+            except ValueError as err:
+                raise CalibrationError(f"the fit failed: {err}") from None
+            if best is None or sol.cost < best.cost:
+                best = sol
+        return best, *unpack(best.x)
+
+    names = [*FITTED, *clients]
+    best, coeffs, client, busy = solve(names, _starts(base, obs))
+    shared = {**coeffs.to_dict(), CLIENT: client, CLIENT_BUSY: busy}
+    split = solve([*FITTED, KV, *clients], [{**shared, KV: coeffs.memory_efficiency * f}
+                                              for f in (1.0, 0.3, 0.1, 0.03)])
+    if split[0].cost < kv_split_gain * best.cost:
+        # Before splitting, give the shared fit the split's solution to start from, at either
+        # of its two bandwidths: it may only have missed that basin.
+        found = {**split[1].to_dict(), CLIENT: split[2], CLIENT_BUSY: split[3]}
+        retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
+        if retry[0].cost < best.cost:
+            best, coeffs, client, busy = retry
+        if split[0].cost < kv_split_gain * best.cost:
+            best, coeffs, client, busy = split
+    times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
+    for o, p in zip(obs, predict(obs, times, client, busy)):
+        o.predicted_s = float(p)
+    roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
+    initial = residual_summary(obs, predict(obs, roofline, 0.0))
+    return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
+                     initial)
+
+
+def _starts(base: CostCoefficients, obs: list[Observation]):
+    """The base coefficients, then the efficiencies scaled over decades with the fixed
+    overheads guessed from the data (a kinked model: one start can stall in a corner)."""
+    itl = [o.measured_s for o in obs if o.measure == ITL] or [o.measured_s for o in obs]
+    shortest = min(itl)
+    client = 0.1 * min(o.measured_s for o in obs)
+    first = {**base.to_dict(), CLIENT: client, CLIENT_BUSY: client}
+    yield first
+    for scale in (10.0, 1.0, 0.1, 0.01, 0.001):
+        yield {**first, "memory_efficiency": base.memory_efficiency * scale,
+               "compute_efficiency": base.compute_efficiency * scale,
+               "attention_efficiency": base.attention_efficiency * scale,
+               "step_overhead_s": 0.3 * shortest, "per_seq_overhead_s": 0.01 * shortest}

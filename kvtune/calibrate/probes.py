@@ -1,0 +1,471 @@
+"""The designed probe set, and running it against a live server over HTTP.
+
+A live server shows only client-side timings, so each probe isolates a few
+terms of the cost model, alone on an idle server:
+
+* prefill:  one request of prompt length L, max_tokens 1. Its TTFT is the
+            prefill step(s) of L tokens, plus the client overhead (HTTP,
+            parsing, queueing to the engine and back).
+* overhead: a tiny prompt decoding a few tokens; TTFT minus the steady ITL of
+            the same request pins the client overhead apart from the step's.
+* decode:   B requests of a short prompt decoding together (ignore_eos); the
+            inter-token gap while all B decode is one decode step of B
+            sequences (the weights read, the per-step and per-sequence terms).
+* context:  B requests with long prompts decoding: the K/V read (and decode
+            attention) term.
+* prefix:   a warm-up request fills the prefix cache, then a request sharing
+            its first P tokens: the prefill computes only the rest, attending
+            over the whole context.
+* loaded:   B requests of varied prompt lengths decode while short requests
+            arrive one by one, as under real traffic: their TTFT is the rest of
+            a decode step, then a mixed step (their prefill with the batch's
+            decodes), plus the client overhead of a busy server; the batch's
+            typical gap is a decode step over uneven contexts.
+
+Every prompt is fresh random token ids (except the shared prefixes), so no
+probe hits another's cached blocks. Requests look like the load generator's
+(streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
+so the steps the server runs for probes are those it runs under load.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
+
+TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
+TTFT, ITL = "ttft", "itl"
+LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
+LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
+PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
+
+
+class CalibrationError(RuntimeError):
+    """Calibration could not complete: the server died, refused or answered errors,
+    or the probes could not be fitted. Nothing is saved."""
+
+
+# ---------------------------------------------------------------- the server
+
+@dataclass
+class ServerInfo:
+    """What the probes need to know about the server, from /v1/models and /metrics."""
+
+    url: str
+    model_name: str
+    max_model_len: int
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool | None = None
+    kv_cache_dtype: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
+    url = url.rstrip("/")
+    try:
+        resp = httpx.get(url + "/v1/models", timeout=timeout_s)
+        resp.raise_for_status()
+        entry = resp.json()["data"][0]
+    except httpx.HTTPError as err:
+        raise CalibrationError(f"cannot reach {url}/v1/models: is a server listening there? ({err})") from None
+    except (KeyError, IndexError, ValueError) as err:
+        raise CalibrationError(f"{url}/v1/models did not name a model: {err}") from None
+    info = ServerInfo(url, entry["id"], int(entry.get("max_model_len") or 4096))
+    try:
+        labels = parse_exposition(fetch(metrics_url(url), timeout_s)).info
+    except ScrapeError:
+        labels = {}
+    if labels.get("block_size", "").isdigit():
+        info.block_size = int(labels["block_size"])
+    if labels.get("num_gpu_blocks", "").isdigit():
+        info.num_gpu_blocks = int(labels["num_gpu_blocks"])
+    if "enable_prefix_caching" in labels:
+        info.enable_prefix_caching = labels["enable_prefix_caching"] == "True"
+    if labels.get("cache_dtype"):
+        info.kv_cache_dtype = labels["cache_dtype"]
+    return info
+
+
+# ---------------------------------------------------------------- the design
+
+@dataclass(frozen=True)
+class Probe:
+    """One measurement: `batch` concurrent requests of `prompt_len` tokens, `max_tokens`
+    each; with `prefix_len`, a warm-up request of the first `prefix_len` tokens plus
+    `warm_suffix` of its own goes first. Measured (`measures`): the first request's
+    TTFT, and/or the steady inter-token gap while all `batch` requests decode.
+
+    With `background` B: B requests (prompts of `background_len` tokens and shorter)
+    decode while `repeats` requests of `prompt_len` arrive one after another (a
+    "loaded" probe): their TTFT, and the background's gap."""
+
+    kind: str
+    label: str
+    prompt_len: int
+    max_tokens: int
+    measures: tuple[str, ...]
+    batch: int = 1
+    prefix_len: int = 0
+    warm_suffix: int = 0
+    repeats: int = 1
+    background: int = 0
+    background_len: int = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.repeats * (self.batch + (1 if self.prefix_len else 0)) + self.background
+
+    def background_lens(self) -> list[int]:
+        """The background's prompt lengths: spread from 32 to background_len (uneven
+        contexts, as real batches have)."""
+        if not self.background:
+            return []
+        lo = min(32, self.background_len)
+        return [round(float(x)) for x in np.geomspace(lo, self.background_len, self.background)]
+
+
+@dataclass
+class ProbePlan:
+    probes: list[Probe]
+
+    @property
+    def num_requests(self) -> int:
+        return sum(p.num_requests for p in self.probes)
+
+    def __len__(self) -> int:
+        return len(self.probes)
+
+
+def _geometric(lo: int, hi: int, n: int) -> list[int]:
+    if hi <= lo:
+        return [lo]
+    return sorted({round(float(x)) for x in np.geomspace(lo, hi, n)})
+
+
+def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | None = None,
+                  pool_tokens: int | None = None, batch_tokens: int = 2048, quick: bool = False) -> ProbePlan:
+    """The probe set for a server with this context limit.
+
+    max_batch    the largest decode batch (keep it <= the server's max_num_seqs).
+    max_prompt   the longest prompt (default: most of max_model_len).
+    pool_tokens  the KV pool's size in tokens, when known: long-context batches fit in it.
+    batch_tokens the server's token budget per step (max_num_batched_tokens): a long-context
+                 batch decodes long enough to outlast its chunked prefills.
+    quick        fewer lengths, batch sizes and repeats (a smoke run).
+    """
+    longest = max(64, min(max_prompt or max_model_len, max_model_len - 64))
+    repeats = 3 if quick else 5
+    probes: list[Probe] = [Probe("overhead", "overhead L=8", 8, 24, (TTFT, ITL), repeats=repeats)]
+    for length in _geometric(16, longest, 5 if quick else 9):
+        probes.append(Probe("prefill", f"prefill L={length}", length, 1, (TTFT,), repeats=repeats))
+    decode_len = 32
+    decode_tokens = 24 if quick else 40
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
+    if quick:
+        batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
+    for b in batches:
+        probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b))
+    room = pool_tokens if pool_tokens else max_model_len * max_batch
+    contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
+    for length in contexts:
+        for b in (1, 4, 16):
+            if b <= max_batch and b * (length + decode_tokens) <= 0.8 * room:
+                prefill_steps = -(-b * length // batch_tokens)
+                probes.append(Probe("context", f"context B={b} L={length}", length,
+                                    decode_tokens + prefill_steps, (ITL,), batch=b))
+    for prefix in ([longest // 2] if quick else [longest // 4, longest // 2]):
+        for suffix in (16, 256):
+            if prefix + suffix < max_model_len - 8:
+                probes.append(Probe("prefix", f"prefix P={prefix} S={suffix}", prefix + suffix, 1, (TTFT,),
+                                    prefix_len=prefix, warm_suffix=suffix, repeats=repeats))
+    bg_len = max(32, min(1024, longest // 4))
+    # Real traffic is mostly this regime, so it gets as many probes as the isolated decodes.
+    loaded = [8] if quick else [2, 4, 8, 16, 32]
+    for b in sorted({min(b, max_batch - 1) for b in loaded}):
+        if b < 1:
+            continue
+        for length in (64, 512):
+            length = min(length, longest)
+            probes.append(Probe("loaded", f"loaded B={b} L={length}", length, 1, (TTFT, ITL),
+                                repeats=LOADED_ARRIVALS, background=b, background_len=bg_len))
+    return ProbePlan(probes)
+
+
+def probe_prompts(probe: Probe, rng: np.random.Generator) -> tuple[list[int] | None, list[list[int]]]:
+    """(warm-up prompt or None, the measured prompts) of one repeat: fresh random ids,
+    the warm-up and the measured request sharing the first prefix_len tokens."""
+    def fresh(n: int) -> list[int]:
+        return rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
+    if probe.prefix_len:
+        shared = fresh(probe.prefix_len)
+        warm = shared + fresh(probe.warm_suffix)
+        return warm, [shared + fresh(probe.prompt_len - probe.prefix_len) for _ in range(probe.batch)]
+    return None, [fresh(probe.prompt_len) for _ in range(probe.batch)]
+
+
+# ---------------------------------------------------------------- the runs
+
+@dataclass
+class RequestTiming:
+    sent: float  # perf_counter seconds
+    token_times: list[float] = field(default_factory=list)  # one per output token, receipt time
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+
+@dataclass
+class TrialRun:
+    warmup: list[int] | None
+    prompts: list[list[int]]
+    requests: list[RequestTiming]
+    # A loaded probe: the background's prompts and timings, and how many tokens its first
+    # request had received when each arriving request was sent.
+    background: list[list[int]] = field(default_factory=list)
+    background_requests: list[RequestTiming] = field(default_factory=list)
+    sent_at_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ProbeRun:
+    probe: Probe
+    trials: list[TrialRun]
+
+    def loaded_selection(self) -> list[int]:
+        """A loaded probe's arrivals that count: all but the slowest fifth (a hiccup of
+        the machine, not the server's way)."""
+        ttfts = np.array([r.ttft for r in self.trials[0].requests])
+        keep = max(1, int(np.ceil(0.8 * len(ttfts))))
+        return sorted(np.argsort(ttfts, kind="stable")[:keep].tolist())
+
+    def loaded_gaps(self) -> list[float]:
+        """The background's gaps from the first arrival's send to the last one's answer."""
+        trial = self.trials[0]
+        start, end = trial.requests[0].sent, trial.requests[-1].token_times[0]
+        gaps = []
+        for r in trial.background_requests:
+            arr = np.asarray(r.token_times)
+            window = arr[(arr >= start) & (arr <= end)]
+            gaps.extend(np.diff(window).tolist())
+        return gaps
+
+    def measured(self, measure: str) -> float:
+        """An observable in seconds: the median TTFT of the trials' first requests, or
+        the median over trials of the steady inter-token gap (see `steady_itl`); for a
+        loaded probe, the mean TTFT of its selected arrivals and the background's mean
+        gap while they arrive (mixed steps included, as a TPOT under traffic has them)."""
+        if self.probe.background:
+            if measure == TTFT:
+                requests = self.trials[0].requests
+                return float(np.mean([requests[i].ttft for i in self.loaded_selection()]))
+            return float(np.mean(self.loaded_gaps()))
+        if measure == TTFT:
+            return float(np.median([t.requests[0].ttft for t in self.trials]))
+        return float(np.median([steady_itl([r.token_times for r in t.requests]) for t in self.trials]))
+
+    def spread(self, measure: str) -> float:
+        """The observable's standard error, from the spread of what it is the median of
+        (the trials' TTFTs; the window's gaps for an ITL): MAD * 1.4826 * 1.253 / sqrt(n);
+        std / sqrt(n) for a loaded probe's means."""
+        if self.probe.background:
+            values = ([self.trials[0].requests[i].ttft for i in self.loaded_selection()] if measure == TTFT
+                      else self.loaded_gaps())
+            return float(np.std(values) / np.sqrt(len(values))) if len(values) > 1 else 0.0  # of a mean
+        if measure == TTFT:
+            values = [t.requests[0].ttft for t in self.trials]
+        else:
+            values = [g for t in self.trials for g in steady_gaps([r.token_times for r in t.requests])]
+        if len(values) < 2:
+            return 0.0
+        arr = np.asarray(values)
+        return float(1.4826 * 1.253 * np.median(np.abs(arr - np.median(arr))) / np.sqrt(len(arr)))
+
+
+def steady_gaps(token_times: list[list[float]]) -> list[float]:
+    """The gaps between tokens while every request of a batch decodes.
+
+    The window starts at the token (of each request) sent with the batch's last first
+    token (every prefill done) and ends one token before the first request's last
+    token (none has finished): the same steps for all requests, found by time."""
+    start = max(times[0] for times in token_times)
+    end = min(times[-1] for times in token_times)
+    gaps: list[float] = []
+    for times in token_times:
+        arr = np.asarray(times)
+        i0 = int(np.argmin(np.abs(arr - start)))
+        i1 = int(np.argmin(np.abs(arr - end))) - 1
+        if i1 - i0 >= 1:
+            gaps.extend(np.diff(arr[i0:i1 + 1]).tolist())
+    if not gaps:  # too short a window: every gap after the first token
+        for times in token_times:
+            gaps.extend(np.diff(times[1:]).tolist())
+    return gaps
+
+
+def steady_itl(token_times: list[list[float]]) -> float:
+    """The median gap in the steady window (`steady_gaps`): a hiccup of the client or
+    the machine moves a mean, not a median."""
+    gaps = steady_gaps(token_times)
+    return float(np.median(gaps)) if gaps else float("nan")
+
+
+@dataclass
+class ProbeOptions:
+    request_timeout_s: float = 120.0  # one request, first byte to last token
+    deadline_s: float = 900.0  # the whole probe run
+    seed: int = 0
+    settle_s: float = 0.02  # idle time between requests, so each starts on an idle engine
+    warmup_requests: int = 3  # unmeasured batches before the probes
+
+
+def run_probes(url: str, model_name: str, plan: ProbePlan, options: ProbeOptions | None = None,
+               check_alive=None, progress=None) -> list[ProbeRun]:
+    """Run the plan's probes one at a time; a server that dies, refuses or answers
+    errors raises CalibrationError naming the URL and the probe."""
+    options = options or ProbeOptions()
+    return asyncio.run(_run_all(url.rstrip("/"), model_name, plan, options, check_alive, progress))
+
+
+async def _run_all(url, model_name, plan, options, check_alive, progress) -> list[ProbeRun]:
+    rng = np.random.default_rng(options.seed)
+    deadline = time.monotonic() + options.deadline_s
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(options.request_timeout_s, connect=10.0)
+    runs = []
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False) as client:
+        warmup = Probe("warmup", "warm-up", 16, 4, (), batch=4)
+        for _ in range(options.warmup_requests):  # connections, the server's first-request costs
+            try:
+                await _trial(client, model_name, warmup, None, probe_prompts(warmup, rng)[1], options)
+            except (httpx.HTTPError, _BadAnswer) as err:
+                raise CalibrationError(_failure(url, warmup, err, check_alive)) from None
+        for i, probe in enumerate(plan.probes):
+            trials = []
+            for _ in range(1 if probe.background else probe.repeats):
+                if time.monotonic() > deadline:
+                    raise CalibrationError(f"probe {probe.label!r} on {url}: the probes ran past their "
+                                           f"{options.deadline_s:.0f} s limit; the server is too slow for "
+                                           "this probe set (try --quick or a smaller --max-prompt)")
+                warm, prompts = probe_prompts(probe, rng)
+                try:
+                    if probe.background:
+                        trials.append(await _loaded_trial(client, model_name, probe, rng, options))
+                    else:
+                        trials.append(await _trial(client, model_name, probe, warm, prompts, options))
+                except (httpx.HTTPError, _BadAnswer) as err:
+                    raise CalibrationError(_failure(url, probe, err, check_alive)) from None
+            runs.append(ProbeRun(probe, trials))
+            if progress is not None:
+                progress(i + 1, len(plan.probes), runs[-1])
+    return runs
+
+
+class _BadAnswer(Exception):
+    pass
+
+
+def _failure(url: str, probe: Probe, err: Exception, check_alive) -> str:
+    what = str(err) or type(err).__name__
+    if isinstance(err, httpx.TimeoutException):
+        what = f"no answer within the request timeout ({type(err).__name__})"
+    elif isinstance(err, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)):
+        what = f"the connection failed ({what}); the server may have died"
+    message = f"probe {probe.label!r} failed against {url}: {what}"
+    if check_alive is not None:
+        try:
+            check_alive()
+        except Exception as dead:  # noqa: BLE001 - the target's own report of the death
+            message += f"\n{dead}"
+    return message
+
+
+async def _trial(client, model_name, probe: Probe, warm, prompts, options) -> TrialRun:
+    if warm is not None:
+        await _request(client, model_name, warm, 1)
+        await asyncio.sleep(options.settle_s)
+    timings = await asyncio.gather(*(_request(client, model_name, p, probe.max_tokens) for p in prompts))
+    await asyncio.sleep(options.settle_s)
+    return TrialRun(warm, prompts, list(timings))
+
+
+async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> TrialRun:
+    """Background requests decode; arrivals are sent one at a time, the k-th once the
+    background's first request has LOADED_FIRST + k * LOADED_SPACING tokens (and a
+    random part of a gap more, so they land at any point of a step). The background
+    is cut off (its streams closed, which aborts it) once the last arrival is answered."""
+    fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()  # noqa: E731
+    background = [fresh(n) for n in probe.background_lens()]
+    total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
+    timings_bg = [RequestTiming(0.0) for _ in background]
+    first = timings_bg[0]
+    tasks = [asyncio.create_task(_request(client, model_name, p, total, t)) for p, t in zip(background, timings_bg)]
+    arrivals, timings, sent_at = [], [], []
+    try:
+        for k in range(probe.repeats):
+            target = LOADED_FIRST + k * LOADED_SPACING
+            while len(first.token_times) < target:
+                if any(t.done() for t in tasks):
+                    for t in tasks:
+                        if t.done():
+                            t.result()  # raises what went wrong
+                    raise _BadAnswer("a background request ended before the arrivals were sent")
+                await asyncio.sleep(0.0005)
+            gaps = np.diff(first.token_times[-4:])
+            await asyncio.sleep(float(rng.uniform(0, np.median(gaps))) if len(gaps) else 0.0)
+            sent_at.append(len(first.token_times))
+            prompt = fresh(probe.prompt_len)
+            arrivals.append(prompt)
+            timings.append(await _request(client, model_name, prompt, 1))
+        for t in tasks:
+            if t.done():
+                t.result()  # a background request that failed meanwhile
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.sleep(options.settle_s)
+    return TrialRun(None, arrivals, timings, background, timings_bg, sent_at)
+
+
+async def _request(client: httpx.AsyncClient, model_name: str, prompt: list[int], max_tokens: int,
+                   timing: RequestTiming | None = None) -> RequestTiming:
+    body = {**({"model": model_name} if model_name else {}), "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    timing = timing or RequestTiming(0.0)
+    timing.sent = time.perf_counter()
+    done = False
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            text = (await resp.aread()).decode(errors="replace")[:300]
+            raise _BadAnswer(f"HTTP {resp.status_code}: {text}")
+        async for line in resp.aiter_lines():
+            now = time.perf_counter()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                raise _BadAnswer(f"error chunk: {payload['error'].get('message', payload['error'])}")
+            if not payload.get("choices"):
+                continue  # the final usage-only chunk
+            usage = payload.get("usage")
+            count = usage["completion_tokens"] if usage else len(timing.token_times) + 1
+            timing.token_times.extend([now] * (count - len(timing.token_times)))
+    if not done:
+        raise _BadAnswer("the stream ended without [DONE]; the server may have died")
+    if len(timing.token_times) < max_tokens:
+        raise _BadAnswer(f"{len(timing.token_times)} tokens streamed, {max_tokens} asked for (ignore_eos)")
+    return timing

@@ -1,0 +1,150 @@
+"""Named cost profiles: what a calibration fitted, for whom, and how well; kept in the store.
+
+A profile holds the fitted `CostCoefficients`, the model and device presets the
+roofline was evaluated for (a sim run with the profile must use the same
+ones), what it was fitted against (target, URL, executor, served model, the
+server's cache config), the client overhead, and the residuals per probe class.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
+from kvengine.cost import CostCoefficients
+
+from ..store import Store, StoreError, resolve_db_url
+
+PROFILE_VERSION = 1
+
+
+class ProfileNotFoundError(StoreError):
+    """No profile by that name; the message lists the ones there are."""
+
+
+@dataclass
+class CalibrationProfile:
+    name: str
+    model: str  # the model preset the coefficients were fitted for
+    device: str  # the device preset
+    coefficients: CostCoefficients
+    client_overhead_s: float = 0.0  # HTTP and frontend time a client sees on top of the steps (idle server)
+    client_overhead_busy_s: float = 0.0  # the same for a request reaching a server busy with others
+    target: str = ""  # engine | vllm | sglang | url
+    url: str = ""
+    executor: str | None = None  # the engine target's executor
+    served_model: str = ""
+    server: dict = field(default_factory=dict)  # ServerInfo.to_dict() and the config it ran
+    residuals: dict = field(default_factory=dict)  # per probe class: n, rms, max, bias
+    roofline_residuals: dict = field(default_factory=dict)  # the same for the uncalibrated roofline
+    observations: list[dict] = field(default_factory=list)  # label, kind, measure, measured_s, predicted_s
+    probe_wall_s: float = 0.0
+    fit: dict = field(default_factory=dict)  # cost, nfev, message
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    version: int = PROFILE_VERSION
+
+    def specs(self) -> tuple[ModelSpec, DeviceSpec]:
+        """The model and device presets the sim must run with this profile."""
+        return model_preset(self.model), device_preset(self.device)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["coefficients"] = self.coefficients.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CalibrationProfile:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(CostCoefficients)}
+        data["coefficients"] = CostCoefficients(**{k: v for k, v in data["coefficients"].items() if k in known})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def describe(self) -> str:
+        c = self.coefficients
+        return (f"{self.name}: {self.model} on {self.device} (fitted on {self.target}"
+                f"{' ' + self.executor if self.executor else ''} at {self.created_at}); "
+                f"memory_efficiency {c.memory_efficiency:.4g}, compute_efficiency {c.compute_efficiency:.4g}, "
+                f"attention_efficiency {c.attention_efficiency:.4g}, "
+                + (f"kv_memory_efficiency {c.kv_memory_efficiency:.4g}, " if c.kv_memory_efficiency is not None else "")
+                + f"step_overhead {c.step_overhead_s * 1e3:.3g} ms, "
+                f"per_seq_overhead {c.per_seq_overhead_s * 1e6:.3g} us")
+
+
+def _open(db: str | Store | None) -> tuple[Store, bool]:
+    if isinstance(db, Store):
+        return db, False
+    return Store(resolve_db_url(db)), True
+
+
+def save_profile(db: str | Store | None, profile: CalibrationProfile) -> None:
+    """Store (or replace) the profile under its name."""
+    store, owned = _open(db)
+    try:
+        store.save_profile(profile.name, profile.to_dict())
+    finally:
+        if owned:
+            store.close()
+
+
+def get_profile(db: str | Store | None, name: str) -> CalibrationProfile:
+    """The named profile; ProfileNotFoundError names it and lists those there are."""
+    store, owned = _open(db)
+    try:
+        data = store.load_profile(name)
+        if data is None:
+            names = store.list_profiles()
+            there = ", ".join(names) if names else "none yet; make one with `kvtune calibrate --name NAME`"
+            raise ProfileNotFoundError(f"no cost profile {name!r} in {store.display_url} (profiles: {there})")
+        return CalibrationProfile.from_dict(data)
+    finally:
+        if owned:
+            store.close()
+
+
+def list_profiles(db: str | Store | None) -> list[CalibrationProfile]:
+    store, owned = _open(db)
+    try:
+        return [CalibrationProfile.from_dict(store.load_profile(n)) for n in store.list_profiles()]
+    finally:
+        if owned:
+            store.close()
+
+
+def load_cost_profile(db_url: str | None, name: str) -> CostCoefficients:
+    """The named profile's coefficients, for `--target sim --profile NAME` (pair them
+    with `get_profile(...).specs()`: they hold for that model and device only)."""
+    return get_profile(db_url, name).coefficients
+
+
+def with_client_overhead(result, overhead_s: float, busy_s: float | None = None):
+    """A sim RunResult as a client would see it: every answered request's TTFT and E2E
+    later by the client overhead the profile measured (HTTP and the server's frontend,
+    which the engine core does not model): `busy_s` for a request that arrives while
+    others are in flight, `overhead_s` for one that finds the server idle. The frontend
+    takes requests one at a time (one event loop), so a request that arrives while an
+    earlier one is still being taken in waits for it first. ITL and TPOT unchanged."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    from ..results import summarize
+    busy_s = overhead_s if busy_s is None else busy_s
+    if not overhead_s and not busy_s:
+        return result
+    ok = sorted((r for r in result.requests if r.ok and r.e2e_s is not None), key=lambda r: r.arrival_s)
+    starts = np.array([r.arrival_s for r in ok])
+    ends = np.sort([r.arrival_s + r.e2e_s for r in ok])
+    extra: dict[str, float] = {}
+    free = -np.inf  # when the frontend is next free
+    for r in ok:
+        # others in flight at r's arrival: arrived strictly before it, not yet done
+        in_flight = np.searchsorted(starts, r.arrival_s, "left") - np.searchsorted(ends, r.arrival_s, "right")
+        free = max(r.arrival_s, free) + (busy_s if in_flight > 0 else overhead_s)
+        extra[r.request_id] = free - r.arrival_s
+    requests = [dc.replace(r, ttft_s=r.ttft_s + extra[r.request_id], e2e_s=r.e2e_s + extra[r.request_id])
+                if r.request_id in extra else r for r in result.requests]
+    out = dc.replace(result, requests=requests, duration_s=result.duration_s + max(overhead_s, busy_s))
+    out.summary = summarize(out)
+    return out

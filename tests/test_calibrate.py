@@ -1,0 +1,295 @@
+"""kvtune calibrate: the fit recovers known coefficients, profiles live in the store,
+and a server that dies mid-probe fails clearly with nothing saved."""
+import argparse
+import json
+import sys
+import threading
+
+import numpy as np
+import pytest
+from kvengine.clock import VirtualClock
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.cost import CostCoefficients
+from kvengine.engine import LLMEngine
+from kvengine.request import SamplingParams
+
+from kvtune.calibrate import (
+    CalibrationError,
+    CalibrationProfile,
+    ProfileNotFoundError,
+    add_calibrate_command,
+    design_probes,
+    fit,
+    get_profile,
+    list_profiles,
+    load_cost_profile,
+    save_profile,
+    step_shapes,
+)
+from kvtune.calibrate.probes import (
+    ITL,
+    LOADED_FIRST,
+    LOADED_SPACING,
+    TTFT,
+    ProbeRun,
+    RequestTiming,
+    TrialRun,
+    probe_prompts,
+    steady_itl,
+)
+from kvtune.calibrate.profile import with_client_overhead
+from kvtune.store import Store
+from kvtune.targets import SimTarget
+from kvtune.targets.process import ManagedServer, free_port
+from kvtune.workload import SynthSpec, parse_dist, synthesize
+
+# Far from the defaults. The overheads are large enough that the server's own unmodelled
+# costs (the loop's bookkeeping between steps, publishing tokens, sleep overshoot: about
+# 0.4 ms a step) stay well under the 5% the recovery allows; fast compute keeps the long
+# prefills short, and attention still takes half of an 8k-token prefill.
+KNOWN = CostCoefficients(memory_efficiency=0.3, compute_efficiency=0.9, attention_efficiency=0.15,
+                         step_overhead_s=0.03, per_seq_overhead_s=1e-3)
+FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
+          "per_seq_overhead_s")
+MODEL, DEVICE = "llama-3-8b", "h100-80gb"
+
+
+def close(fitted: CostCoefficients, known: CostCoefficients, tol: float) -> dict:
+    """The coefficients off by more than `tol` (relative), with their errors."""
+    errors = {k: getattr(fitted, k) / getattr(known, k) - 1 for k in FITTED}
+    return {k: round(e, 4) for k, e in errors.items() if abs(e) > tol}
+
+
+# ---------------------------------------------------------------- the fit alone (virtual time)
+
+def virtual_runs(plan, coeffs, client_s, busy_s, config):
+    """What the plan's probes would measure on an engine stepping exactly by `coeffs`,
+    each token reaching the client `client_s` late (`busy_s` for requests arriving at a
+    busy engine, in the middle of a step): ProbeRuns without any HTTP."""
+    model, device = model_preset(MODEL), device_preset(DEVICE)
+    rng = np.random.default_rng(1)
+    runs = []
+    for probe in plan.probes:
+        engine = None
+        trials = []
+        for _ in range(1 if probe.background else probe.repeats):
+            warm, prompts = probe_prompts(probe, rng)
+            engine = LLMEngine(config, model, device, clock=VirtualClock(), cost_coefficients=coeffs)
+            if probe.background:
+                trials.append(virtual_loaded_trial(engine, probe, rng, busy_s))
+                continue
+            if warm:
+                engine.add_request("w", warm, SamplingParams(max_tokens=1, ignore_eos=True))
+                while engine.has_unfinished():
+                    engine.step()
+            start = engine.clock.now
+            reqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=probe.max_tokens, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+            while engine.has_unfinished():
+                engine.step()
+            timings = [RequestTiming(start, [t + client_s for t in r.token_times]) for r in reqs]
+            trials.append(TrialRun(warm, prompts, timings))
+        runs.append(ProbeRun(probe, trials))
+    return runs
+
+
+def virtual_loaded_trial(engine, probe, rng, busy_s):
+    background = [rng.integers(1000, 30000, n).tolist() for n in probe.background_lens()]
+    total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
+    bg = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=total, ignore_eos=True))
+          for i, p in enumerate(background)]
+    arrivals, timings, sent_at = [], [], []
+    for k in range(probe.repeats):
+        while bg[0].num_output_tokens < LOADED_FIRST + k * LOADED_SPACING:
+            engine.step()
+        sent_at.append(bg[0].num_output_tokens)
+        before = engine.clock.now
+        engine.step()  # the step it lands in, halfway on average
+        sent = (before + engine.clock.now) / 2
+        prompt = rng.integers(1000, 30000, probe.prompt_len).tolist()
+        req = engine.add_request(f"a{k}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while not req.num_output_tokens:
+            engine.step()
+        arrivals.append(prompt)
+        timings.append(RequestTiming(sent, [req.token_times[0] + busy_s]))
+    while engine.has_unfinished():
+        engine.step()
+    return TrialRun(None, arrivals, timings, background, [RequestTiming(0.0, list(r.token_times)) for r in bg],
+                    sent_at)
+
+
+def test_fit_recovers_coefficients_from_exact_timings():
+    config = EngineConfig(max_model_len=4096).resolve(model_preset(MODEL), device_preset(DEVICE))
+    plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
+    runs = virtual_runs(plan, KNOWN, 2e-3, 5e-3, config)
+    shapes, observations = step_shapes(runs, model_preset(MODEL), device_preset(DEVICE), config)
+    assert {o.kind for o in observations} == {"overhead", "prefill", "decode", "context", "prefix", "loaded"}
+    result = fit(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
+    assert close(result.coefficients, KNOWN, 0.01) == {}
+    assert result.client_overhead_s == pytest.approx(2e-3, rel=0.02)
+    assert result.client_overhead_busy_s == pytest.approx(5e-3, rel=0.02)
+    residuals = result.residuals()
+    assert residuals["all"]["max"] < 0.01
+    assert residuals["all"]["n"] == len(observations)
+    assert result.initial["all"]["rms"] > 0.2  # the roofline's defaults are far off these timings
+
+
+def test_probe_plan_is_bounded_and_fits_the_context():
+    for quick in (True, False):
+        plan = design_probes(4096, max_batch=64, pool_tokens=200_000, batch_tokens=2048, quick=quick)
+        assert plan.num_requests <= (200 if quick else 600)
+        for p in plan.probes:
+            assert p.prompt_len + p.max_tokens <= 4096
+            assert p.batch * (p.prompt_len + p.max_tokens) <= 200_000
+            assert set(p.measures) <= {TTFT, ITL}
+    small = design_probes(512, max_batch=4, quick=True)
+    assert max(p.batch for p in small.probes) <= 4
+    assert all(p.prompt_len + p.max_tokens <= 512 for p in small.probes)
+
+
+def test_steady_itl_uses_the_steps_where_the_whole_batch_decodes():
+    # Request b starts a step later; step times 10 ms, except a 50 ms step before b's first token.
+    a = [0.0, 0.05, 0.06, 0.07, 0.08, 0.09]
+    b = [0.05, 0.06, 0.07, 0.08, 0.09, 0.10]
+    assert steady_itl([a, b]) == pytest.approx(0.01)
+
+
+# ---------------------------------------------------------------- against a live server
+
+def sim_server(tmp_path, coeffs: CostCoefficients, *flags) -> ManagedServer:
+    path = tmp_path / "coeffs.json"
+    path.write_text(json.dumps(coeffs.to_dict()))
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvengine", "serve", "--port", str(port), "--executor", "sim",
+           "--preset", MODEL, "--device", DEVICE, "--cost-profile", str(path), *flags]
+    return ManagedServer(cmd, port, start_timeout_s=60, env={"OMP_NUM_THREADS": "1"})
+
+
+def calibrate_cli(*argv) -> int:
+    parser = argparse.ArgumentParser()
+    add_calibrate_command(parser.add_subparsers())
+    args = parser.parse_args(["calibrate", *argv])
+    return args.func(args)
+
+
+@pytest.mark.slow
+def test_calibration_recovers_known_coefficients_from_a_live_sim_server(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path}/kvtune.db"
+    with sim_server(tmp_path, KNOWN) as server:
+        rc = calibrate_cli("--target", server.url, "--preset", MODEL, "--device", DEVICE, "--name", "known",
+                           "--quick", "--max-batch", "16", "--db", db, "--json")
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    printed = json.loads(out.strip().splitlines()[-1])
+    assert printed["name"] == "known" and printed["model"] == MODEL and printed["device"] == DEVICE
+    profile = get_profile(db, "known")
+    assert close(profile.coefficients, KNOWN, 0.05) == {}, profile.describe()
+    assert profile.target == "url" and profile.url == server.url and profile.served_model == MODEL
+    assert profile.server["block_size"] == 16 and profile.server["max_model_len"] == 8192
+    assert set(profile.residuals) == {"overhead", "prefill", "decode", "context", "prefix", "loaded", "all"}
+    assert profile.residuals["all"]["rms"] < 0.1
+    assert profile.coefficients.kv_memory_efficiency is None  # one bandwidth serves weights and K/V here
+    assert 0 < profile.client_overhead_s < 0.05
+    assert "residuals" in out and "calibrated" in out
+    # The stored coefficients drive the sim: its decode steps now take the server's time.
+    sim = SimTarget(*profile.specs(), load_cost_profile(db, "known"))
+    workload = synthesize(SynthSpec(num_requests=4, rate=100.0, input_len=parse_dist("32"),
+                                    output_len=parse_dist("16"), seed=1))
+    result = sim.run(EngineConfig(), workload)
+    assert result.summary["tpot_p50"] > KNOWN.step_overhead_s
+
+
+@pytest.mark.slow
+def test_a_server_dying_mid_probe_fails_clearly_and_saves_nothing(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path}/kvtune.db"
+    server = sim_server(tmp_path, KNOWN, "--max-model-len", "2048")
+    server.start()
+    killer = threading.Timer(2.0, server.stop, kwargs={"timeout_s": 1.0})
+    killer.start()
+    try:
+        rc = calibrate_cli("--target", server.url, "--preset", MODEL, "--device", DEVICE, "--name", "doomed",
+                           "--db", db)
+    finally:
+        killer.cancel()
+        server.stop()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert server.url in err and "probe '" in err and "nothing saved" in err
+    with Store(db) as store:
+        assert store.list_profiles() == []
+
+
+def test_an_unreachable_server_is_a_calibration_error():
+    from kvtune.calibrate import calibrate_url
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(CalibrationError, match=f"cannot reach {url}"):
+        calibrate_url(url, MODEL, DEVICE, EngineConfig(), "x")
+
+
+# ---------------------------------------------------------------- profiles in the store
+
+def test_profile_round_trips_through_the_store(tmp_path):
+    db = f"sqlite:///{tmp_path}/kvtune.db"
+    profile = CalibrationProfile(
+        name="cpu-tiny", model="tiny", device="cpu", coefficients=KNOWN, client_overhead_s=0.004,
+        target="engine", url="http://127.0.0.1:8000", executor="torch", served_model="kvtune-target",
+        server={"block_size": 16, "config": {"max_num_seqs": 256}},
+        residuals={"prefill": {"n": 5, "rms": 0.1, "max": 0.2, "bias": 0.01}},
+        observations=[{"kind": "prefill", "label": "prefill L=16", "measure": "ttft", "measured_s": 0.008,
+                       "predicted_s": 0.0081}])
+    save_profile(db, profile)
+    back = get_profile(db, "cpu-tiny")
+    assert back == profile
+    assert load_cost_profile(db, "cpu-tiny") == KNOWN
+    assert back.specs() == (model_preset("tiny"), device_preset("cpu"))
+    # Saving under the same name replaces it; other names are listed.
+    save_profile(db, CalibrationProfile(name="cpu-tiny", model="tiny", device="cpu",
+                                        coefficients=CostCoefficients(step_overhead_s=0.01)))
+    save_profile(db, CalibrationProfile(name="h100", model=MODEL, device=DEVICE, coefficients=CostCoefficients()))
+    assert load_cost_profile(db, "cpu-tiny").step_overhead_s == 0.01
+    assert [p.name for p in list_profiles(db)] == ["cpu-tiny", "h100"]
+    with pytest.raises(ProfileNotFoundError, match=r"no cost profile 'nope'.*cpu-tiny, h100"):
+        load_cost_profile(db, "nope")
+
+
+def test_an_empty_store_says_how_to_make_a_profile(tmp_path):
+    with pytest.raises(ProfileNotFoundError, match="kvtune calibrate"):
+        load_cost_profile(f"sqlite:///{tmp_path}/empty.db", "nope")
+
+
+def test_client_overhead_moves_ttft_and_e2e_only():
+    workload = synthesize(SynthSpec(num_requests=6, rate=50.0, input_len=parse_dist("64"),
+                                    output_len=parse_dist("8"), seed=2))
+    result = SimTarget(model_preset(MODEL), device_preset(DEVICE)).run(EngineConfig(), workload)
+    later = with_client_overhead(result, 0.005)
+    assert later.summary["ttft_p50"] == pytest.approx(result.summary["ttft_p50"] + 0.005)
+    assert later.summary["tpot_p50"] == pytest.approx(result.summary["tpot_p50"])
+    assert later.summary["e2e_p50"] == pytest.approx(result.summary["e2e_p50"] + 0.005)
+
+
+def test_run_and_search_use_a_stored_profile(tmp_path):
+    """`--profile NAME` puts the fitted coefficients (and their model/device) into the sim target."""
+    import json
+    import subprocess
+    import sys
+
+    from kvengine.config import device_preset, model_preset
+    from kvengine.cost import CostCoefficients, StepCost
+    from kvtune.calibrate import CalibrationProfile, save_profile
+    from kvtune.workload import TraceRequest, Workload, write_workload
+
+    db = f"sqlite:///{tmp_path}/p.db"
+    slow = CostCoefficients(memory_efficiency=0.4, step_overhead_s=0.004)
+    save_profile(db, CalibrationProfile(name="slow-a10", model="llama-3-8b", device="a10-24gb", coefficients=slow))
+    trace = tmp_path / "t.jsonl"
+    write_workload(Workload([TraceRequest(0.0, 1000, 3)]), str(trace))
+    p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "slow-a10",
+                        "--db", db, "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    cost = StepCost.build(model_preset("llama-3-8b"), device_preset("a10-24gb"), "auto", 16, slow)
+    assert summary["ttft_p50"] == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1000))
+    assert "a10-24gb" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
+                        "--db", db], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "nope" in p.stderr and "slow-a10" in p.stderr
