@@ -60,6 +60,7 @@ DEMO_STUDY := demo-$(shell date +%Y%m%d-%H%M%S)
 # an H100 in the simulator; stage 2: the top 3 and vLLM's default on the bundled
 # engine (`kvengine serve --executor sim`, real HTTP, real time). About 3 minutes.
 demo: $(STAMP)
+	mkdir -p reports
 	$(VENV)/bin/kvtune search --workload $(DEMO_TRACE) --slo ttft_p95=500ms --slo tpot_p95=20ms \
 		--target engine --live-head 150 --db sqlite:///reports/demo.db --study $(DEMO_STUDY) \
 		--report-dir reports/$(DEMO_STUDY)
