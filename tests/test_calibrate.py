@@ -19,7 +19,7 @@ from kvtune.calibrate import (
     ProfileNotFoundError,
     add_calibrate_command,
     design_probes,
-    fit,
+    fit_coefficients,
     get_profile,
     list_profiles,
     load_cost_profile,
@@ -124,7 +124,7 @@ def test_fit_recovers_coefficients_from_exact_timings():
     runs = virtual_runs(plan, KNOWN, 2e-3, 5e-3, config)
     shapes, observations = step_shapes(runs, model_preset(MODEL), device_preset(DEVICE), config)
     assert {o.kind for o in observations} == {"overhead", "prefill", "decode", "context", "prefix", "loaded"}
-    result = fit(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
+    result = fit_coefficients(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
     assert close(result.coefficients, KNOWN, 0.01) == {}
     assert result.client_overhead_s == pytest.approx(2e-3, rel=0.02)
     assert result.client_overhead_busy_s == pytest.approx(5e-3, rel=0.02)

@@ -5,7 +5,7 @@
     coeffs = load_cost_profile(None, "cpu-tiny")    # -> CostCoefficients for SimTarget
 """
 from .cli import add_calibrate_command, calibrate_target, calibrate_url, format_profile
-from .fit import FitResult, Observation, fit, step_shapes
+from .fit import FitResult, Observation, fit_coefficients, step_shapes
 from .probes import (
                      CalibrationError,
                      Probe,
@@ -29,6 +29,6 @@ from .profile import (
 __all__ = [
     "CalibrationError", "CalibrationProfile", "FitResult", "Observation", "Probe", "ProbeOptions", "ProbePlan",
     "ProbeRun", "ProfileNotFoundError", "ServerInfo", "add_calibrate_command", "calibrate_target",
-    "calibrate_url", "design_probes", "fit", "format_profile", "get_profile", "list_profiles",
+    "calibrate_url", "design_probes", "fit_coefficients", "format_profile", "get_profile", "list_profiles",
     "load_cost_profile", "run_probes", "save_profile", "server_info", "step_shapes",
 ]

@@ -25,7 +25,7 @@ from ..targets import (
 )
 from ..targets.process import ManagedServer, free_port
 from ..workload.cli import positive_float, positive_int
-from .fit import fit, step_shapes
+from .fit import fit_coefficients, step_shapes
 from .probes import (
     CalibrationError,
     ProbeOptions,
@@ -201,7 +201,8 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     probe_wall = time.perf_counter() - t0
     kv_dtype = server_config.kv_cache_dtype
     shapes, observations = step_shapes(runs, model, device_spec, server_config)
-    result = fit(shapes, observations, model, device_spec, kv_dtype, server_config.block_size, base=base)
+    result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
+                              base=base)
     return CalibrationProfile(
         name=name, model=model.name, device=device, coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
@@ -211,7 +212,8 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         residuals=result.residuals(), roofline_residuals=result.initial,
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
-        probe_wall_s=round(probe_wall, 2), fit={"cost": result.cost, "nfev": result.nfev, "message": result.message})
+        probe_wall_s=round(probe_wall, 2),
+        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.kv_split})
 
 
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:

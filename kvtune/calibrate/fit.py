@@ -205,6 +205,7 @@ class FitResult:
     nfev: int
     message: str
     initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
+    kv_split: dict = field(default_factory=dict)  # the costs with K/V bandwidth shared and apart
 
     def residuals(self) -> dict:
         return residual_summary(self.observations)
@@ -229,10 +230,10 @@ def _kind_order(kind: str) -> int:
     return PROBE_KINDS.index(kind) if kind in PROBE_KINDS else len(PROBE_KINDS)
 
 
-def fit(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
-        kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
-        fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
-        kv_split_gain: float = 0.7) -> FitResult:
+def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
+                     kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
+                     fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
+                     kv_split_gain: float = 0.85) -> FitResult:
     """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
     relative errors of the predicted timings; `base` supplies the fixed coefficients
     (block_overhead_tokens) and the first start.
@@ -296,15 +297,16 @@ def fit(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, d
         retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
         if retry[0].cost < best.cost:
             best, coeffs, client, busy = retry
-        if split[0].cost < kv_split_gain * best.cost:
-            best, coeffs, client, busy = split
+    choice = {"shared_cost": float(best.cost), "split_cost": float(split[0].cost)}
+    if split[0].cost < kv_split_gain * best.cost:
+        best, coeffs, client, busy = split
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
     for o, p in zip(obs, predict(obs, times, client, busy)):
         o.predicted_s = float(p)
     roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
     initial = residual_summary(obs, predict(obs, roofline, 0.0))
     return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
-                     initial)
+                     initial, choice)
 
 
 def _starts(base: CostCoefficients, obs: list[Observation]):

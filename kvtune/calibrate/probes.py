@@ -403,7 +403,7 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
     background's first request has LOADED_FIRST + k * LOADED_SPACING tokens (and a
     random part of a gap more, so they land at any point of a step). The background
     is cut off (its streams closed, which aborts it) once the last arrival is answered."""
-    fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()  # noqa: E731
+    fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
     background = [fresh(n) for n in probe.background_lens()]
     total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
     timings_bg = [RequestTiming(0.0) for _ in background]
