@@ -1,15 +1,17 @@
 """Fit kvengine.cost's coefficients to the probes' timings by least squares.
 
-Each observed timing is a sum of engine steps: a TTFT is the steps from the
-request's arrival to its first token (plus the client overhead), a steady ITL
-is the mean of the decode steps while the whole batch decodes. Which steps,
+Each observed timing is a weighted sum of engine steps: a TTFT is the steps from
+the request's arrival to its first token (for a loaded probe, half the step it
+lands in, then its own) plus the client overhead (one value for an idle server,
+one for a busy one); an ITL is the mean of the steps in its window. Which steps,
 and their shapes (tokens, sequences, context, attention pairs), come from
 replaying the probe's own prompts through kvengine's scheduler and KV cache
-manager with the server's config: every probe runs alone on an idle engine,
-so the schedule does not depend on the coefficients. A prediction is then
+manager with the server's config; the replay follows the live run's order of
+events (an arrival after so many background tokens), not its timing, so the
+schedule does not depend on the coefficients. A prediction is then
 `sum_j w_j * StepCost.step_time(shape_j)` and the fit moves the coefficients
 (in log space, so all stay positive) to make the predictions' relative errors
-small. The residuals are reported per probe class.
+small. The residuals are reported per probe class, next to the roofline's.
 """
 from __future__ import annotations
 
