@@ -13,6 +13,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     OMP_NUM_THREADS=1
 
+# 0. g++: kvengine builds its CPU decode-attention kernel on first use (-march=native, so on
+#    the host that runs it); without a compiler it falls back to the slower torch path.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # 1. torch, CPU build, before the project: the project's `torch==2.13.0` is then already met
 #    (2.13.0+cpu satisfies ==2.13.0) and pip does not fetch the multi-GB CUDA wheel from PyPI.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0

@@ -125,6 +125,10 @@ class PagedKVCache:
             q = y.clamp_(-self.qmax, self.qmax).to(self.dtype).view(torch.uint8)
         return q, scale
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V pools as stored: [kv_heads, num_blocks, block_size, head_dim]."""
+        return self.data[layer, 0], self.data[layer, 1]
+
     def gather(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the listed blocks, in order, in the model's dtype:
         two [kv_heads, len(block_ids) * block_size, head_dim] tensors."""

@@ -11,8 +11,10 @@ each layer
 
   1. q, k, v for all T rows; RoPE at each row's position;
   2. k, v go into the paged cache at each row's slot (block_id * block_size + offset);
-  3. decode rows: one batched attention over their contexts, gathered from the
-     cache through a padded block table, padding masked;
+  3. decode rows: on the CPU (float32 K/V) the C++ kernel of cpu_attention.py,
+     reading K/V in place through the block tables; elsewhere one batched
+     attention over their contexts, gathered from the cache through a padded
+     block table, padding masked;
   4. each prefill chunk: attention over its context gathered through its block
      table, causal within the chunk (a first chunk under `auto` uses its fresh
      K/V directly: the same numbers, one gather less).
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
 from .config import ModelSpec
 from .kv_cache import PagedKVCache
 from .sampling import argmax as _argmax
@@ -266,8 +269,11 @@ class PrefillChunk:
 class AttentionBatch:
     slots: torch.Tensor  # [T] cache slot of each row's K/V
     num_decode: int  # rows [0, num_decode) are single-token queries
-    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] padded block tables, flat
-    decode_bias: torch.Tensor | None  # [num_decode, 1, max_blocks * block_size]: 0 or -inf
+    decode_blocks: torch.Tensor | None  # [num_decode, max_blocks] padded block tables
+    decode_lens: torch.Tensor | None  # [num_decode] context lengths
+    # [num_decode, 1, max_blocks * block_size]: 0 or -inf, for the gathering path;
+    # None when the decode rows go through the CPU kernel (nothing padded to mask)
+    decode_bias: torch.Tensor | None
     prefills: list[PrefillChunk]
 
 
@@ -297,8 +303,8 @@ def decode_bias(context_lens: torch.Tensor, width: int, sliding_window: int | No
 
 # -- the network ------------------------------------------------------------------
 class Attention:
-    def __init__(self, spec: ModelSpec, layer: int, w: dict, backend: str):
-        self.layer = layer
+    def __init__(self, spec: ModelSpec, layer: int, w: dict, backend: str, kernel):
+        self.layer, self.kernel, self.window = layer, kernel, spec.sliding_window
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.group = spec.num_heads // spec.num_kv_heads
         self.scale = spec.head_dim ** -0.5
@@ -329,8 +335,12 @@ class Attention:
 
     def _decode(self, q: torch.Tensor, batch: AttentionBatch, cache: PagedKVCache) -> torch.Tensor:
         """One query per request, all requests in one padded batch: [D, heads, dim]."""
+        if batch.decode_bias is None:
+            k, v = cache.layer_kv(self.layer)
+            return self.kernel(q.contiguous(), k, v, batch.decode_blocks, batch.decode_lens,
+                               self.window, self.scale)
         D, hkv, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        k, v = cache.gather(self.layer, batch.decode_blocks)  # [hkv, D * L, d]
+        k, v = cache.gather(self.layer, batch.decode_blocks.view(-1))  # [hkv, D * L, d]
         k, v = k.view(hkv, D, -1, d), v.view(hkv, D, -1, d)
         qh = q.view(D, hkv, g, d).transpose(0, 1)  # [hkv, D, g, d]: heads share their kv head
         scores = torch.matmul(qh, k.transpose(-1, -2)).mul_(self.scale).add_(batch.decode_bias)
@@ -370,10 +380,10 @@ def _cat_bias(w: dict, *names: str):
 
 
 class DecoderLayer:
-    def __init__(self, spec: ModelSpec, layer: int, w: dict, backend: str):
+    def __init__(self, spec: ModelSpec, layer: int, w: dict, backend: str, kernel):
         p = f"model.layers.{layer}."
         self.input_norm = RMSNorm(w[p + "input_layernorm.weight"], spec.rms_norm_eps)
-        self.attn = Attention(spec, layer, w, backend)
+        self.attn = Attention(spec, layer, w, backend, kernel)
         self.post_norm = RMSNorm(w[p + "post_attention_layernorm.weight"], spec.rms_norm_eps)
         self.mlp = MLP(layer, w, backend)
 
@@ -395,7 +405,9 @@ class LlamaModel:
         _check_shapes(spec, w)
         self.embed = w["model.embed_tokens.weight"]
         self.rotary = Rotary(spec, self.device)
-        self.layers = [DecoderLayer(spec, i, w, self.backend) for i in range(spec.num_layers)]
+        self.decode_kernel = self._decode_kernel()
+        self.layers = [DecoderLayer(spec, i, w, self.backend, self.decode_kernel)
+                       for i in range(spec.num_layers)]
         self.norm = RMSNorm(w["model.norm.weight"], spec.rms_norm_eps)
         head = w.get("lm_head.weight")
         if head is None or spec.tie_word_embeddings:
@@ -403,6 +415,18 @@ class LlamaModel:
         self.lm_head = Linear(head, None, self.backend)
         self.greedy_head = (GreedyHead(head) if GreedyHead.available(self.device, self.dtype,
                                                                      self.backend) else None)
+
+    def _decode_kernel(self):
+        """The CPU decode-attention kernel where it applies (float32 on the CPU), else None."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        kernel = cpu_attention.load()
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return kernel if kernel is not None and kernel.supports(self.spec.head_dim, group) else None
+
+    def decodes_in_place(self, cache: PagedKVCache) -> bool:
+        """Do the decode rows go through the CPU kernel (no gather, no padding bias)?"""
+        return self.decode_kernel is not None and not cache.quantized
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

@@ -186,7 +186,7 @@ class TorchExecutor:
             ids += [0] * n
             positions += range(n)
             slots += [block_ids[p // bs] * bs + p % bs for p in range(n)]
-        batch = AttentionBatch(torch.tensor(slots, device=dev), 0, None, None, chunks)
+        batch = AttentionBatch(torch.tensor(slots, device=dev), 0, None, None, None, chunks)
         cache.zero_fresh_blocks(batch.slots)
         hidden = self.model.forward(torch.tensor(ids, device=dev),
                                     torch.tensor(positions, device=dev), batch, cache)
@@ -287,13 +287,13 @@ class TorchExecutor:
                 sample_reqs.append(req)
                 sample_at.append(i)
         num_decode = len(ids)
-        decode_blocks = bias = None
+        decode_blocks = lens = bias = None
         if num_decode:
             width = max(len(t) for t in tables)
             decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-            decode_blocks = decode_blocks.view(-1)
-            bias = decode_bias(torch.tensor(context_lens, device=dev), width * bs, window,
-                               self.model.dtype)
+            lens = torch.tensor(context_lens, device=dev)
+            if not self.model.decodes_in_place(self.cache):
+                bias = decode_bias(lens, width * bs, window, self.model.dtype)
         chunks = []
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)]
         for i, req, n, c in prefill:
@@ -312,7 +312,7 @@ class TorchExecutor:
         if not ids:
             return None, None, None, [], [], []
         batch = AttentionBatch(torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0],
-                               num_decode, decode_blocks, bias, chunks)
+                               num_decode, decode_blocks, lens, bias, chunks)
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch,
                 sample_rows, sample_reqs, sample_at)
 

@@ -1,0 +1,146 @@
+// Decode attention on the CPU, reading K/V in place through block tables.
+//
+// One query token per sequence (the decode rows of a step). For each
+// (sequence, kv head) the G query heads that share the kv head are done
+// together, so each K and V row is loaded once: scores q.k over the context,
+// a softmax, then the probability-weighted sum of V. Nothing is gathered: the
+// torch path copies every sequence's K/V out of the pool first, which on the
+// CPU costs more than the attention itself. head_dim and the group size are
+// template parameters so the compiler unrolls and vectorizes the inner loops;
+// other shapes return -1 and the caller uses the torch path.
+//
+// Layouts (float32, contiguous), as kv_cache.PagedKVCache holds them:
+//   q, out        [num_seqs, num_heads, head_dim]
+//   k/v cache     [num_kv_heads, num_blocks, block_size, head_dim] (one layer)
+//   tables        [num_seqs, max_blocks] block ids; lens [num_seqs] context lengths
+//   scratch       at least G * max(lens) floats
+// window > 0: a sequence of length L sees only its last `window` tokens.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// The four sums of v0..v3 (16 lanes each), as one [sum v0, sum v1, sum v2, sum v3].
+inline __m128 sum4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3));
+    const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// Scores of 4 consecutive tokens (rows k, k + D, ...) for query heads j0..j0+3:
+// one FMA per 16 dims per (head, token), reduced four at a time.
+template <int D, int G>
+inline void scores_4x4(const float (*qs)[D], int j0, const float *k, float *s, int64_t n) {
+    __m512 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int t = 0; t < 4; t++) acc[j][t] = _mm512_setzero_ps();
+    for (int c = 0; c < D; c += 16) {
+        __m512 kv[4];
+        for (int t = 0; t < 4; t++) kv[t] = _mm512_loadu_ps(k + t * D + c);
+        for (int j = 0; j < 4; j++) {
+            const __m512 qv = _mm512_loadu_ps(&qs[j0 + j][c]);
+            for (int t = 0; t < 4; t++) acc[j][t] = _mm512_fmadd_ps(qv, kv[t], acc[j][t]);
+        }
+    }
+    for (int j = 0; j < 4; j++)
+        _mm_storeu_ps(s + (j0 + j) * n, sum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+#endif
+
+template <int D, int G>
+inline void scores_1(const float (*qs)[D], const float *k, float *s, int64_t n) {
+    for (int j = 0; j < G; j++) {
+        float acc = 0.f;
+        for (int i = 0; i < D; i++) acc += qs[j][i] * k[i];
+        s[j * n] = acc;
+    }
+}
+
+template <int D, int G>
+void attend(const float *q, const float *k_head, const float *v_head, const int64_t *table,
+            int64_t first, int64_t len, int64_t bs, float scale, float *s, float *out) {
+    const int64_t n = len - first;
+    float qs[G][D];
+    for (int j = 0; j < G; j++)
+        for (int i = 0; i < D; i++) qs[j][i] = q[j * D + i] * scale;
+    for (int64_t t = first; t < len;) {  // scores, block by block
+        const int64_t b = t / bs, end = std::min(len, (b + 1) * bs);
+        const float *k = k_head + (table[b] * bs + (t - b * bs)) * D;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+        if constexpr (G % 4 == 0 && D % 16 == 0)
+            for (; t + 4 <= end; t += 4, k += 4 * D)
+                for (int j0 = 0; j0 < G; j0 += 4) scores_4x4<D, G>(qs, j0, k, s + (t - first), n);
+#endif
+        for (; t < end; t++, k += D) scores_1<D, G>(qs, k, s + (t - first), n);
+    }
+    for (int j = 0; j < G; j++) {  // softmax (scores are finite: no masked slots)
+        float *sj = s + j * n, m = sj[0], sum = 0.f;
+        for (int64_t t = 1; t < n; t++) m = std::max(m, sj[t]);
+        for (int64_t t = 0; t < n; t++) {
+            sj[t] = std::exp(sj[t] - m);
+            sum += sj[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; t++) sj[t] *= inv;
+    }
+    float acc[G][D] = {};
+    for (int64_t t = first; t < len;) {  // probabilities times V
+        const int64_t b = t / bs, end = std::min(len, (b + 1) * bs);
+        const float *v = v_head + (table[b] * bs + (t - b * bs)) * D;
+        for (; t < end; t++, v += D)
+            for (int j = 0; j < G; j++) {
+                const float p = s[j * n + (t - first)];
+                for (int i = 0; i < D; i++) acc[j][i] += p * v[i];
+            }
+    }
+    std::memcpy(out, acc, sizeof(acc));
+}
+
+template <int D, int G>
+void run(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+         const int64_t *lens, float *out, float *scratch, int64_t num_seqs, int64_t num_kv_heads,
+         int64_t num_blocks, int64_t bs, int64_t max_blocks, int64_t window, float scale) {
+    const int64_t head_stride = num_blocks * bs * D, H = num_kv_heads * G;
+    for (int64_t r = 0; r < num_seqs; r++) {
+        const int64_t len = lens[r], first = (window > 0 && len > window) ? len - window : 0;
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            attend<D, G>(q + (r * H + h * G) * D, k_cache + h * head_stride,
+                         v_cache + h * head_stride, tables + r * max_blocks, first, len, bs, scale,
+                         scratch, out + (r * H + h * G) * D);
+    }
+}
+
+}  // namespace
+
+extern "C" int kvengine_supports(int64_t head_dim, int64_t group) {
+    const bool dim = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128;
+    const bool grp = group == 1 || group == 2 || group == 4 || group == 8;
+    return dim && grp;
+}
+
+extern "C" int kvengine_paged_decode_attention(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+    const int64_t *lens, float *out, float *scratch, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+    int64_t max_blocks, int64_t window, float scale) {
+    const int64_t g = num_heads / num_kv_heads;
+#define KV_CASE(D_, G_)                                                                      \
+    if (head_dim == D_ && g == G_) {                                                         \
+        run<D_, G_>(q, k_cache, v_cache, tables, lens, out, scratch, num_seqs, num_kv_heads, \
+                    num_blocks, block_size, max_blocks, window, scale);                      \
+        return 0;                                                                            \
+    }
+#define KV_CASES(D_) KV_CASE(D_, 1) KV_CASE(D_, 2) KV_CASE(D_, 4) KV_CASE(D_, 8)
+    KV_CASES(16) KV_CASES(32) KV_CASES(64) KV_CASES(128)
+    return -1;
+}
