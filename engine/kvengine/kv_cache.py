@@ -87,7 +87,9 @@ class PagedKVCache:
     def zero_fresh_blocks(self, slots: torch.Tensor) -> None:
         """Zero the blocks whose first slot this step writes: a block fills from
         offset 0 (prefix hits and copy-on-write copies arrive full), so a padded
-        read past a request's last token only ever sees zeros or old, finite K/V."""
+        read past a request's last token only ever sees zeros or old, finite K/V.
+        Needed by the gathering decode path (0 * NaN under the mask is NaN); the
+        CPU kernel reads only written slots, and the executor skips it then."""
         fresh = slots[slots % self.block_size == 0]
         if fresh.numel():
             self.zero_blocks(fresh // self.block_size)

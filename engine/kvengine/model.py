@@ -11,7 +11,7 @@ each layer
 
   1. q, k, v for all T rows; RoPE at each row's position;
   2. k, v go into the paged cache at each row's slot (block_id * block_size + offset);
-  3. decode rows: on the CPU (float32 K/V) the C++ kernel of cpu_attention.py,
+  3. decode rows: on the CPU (float32 K/V) the C++ kernel of cpu_kernels.py,
      reading K/V in place through the block tables; elsewhere one batched
      attention over their contexts, gathered from the cache through a padded
      block table, padding masked;
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_kernels
 from .config import ModelSpec
 from .kv_cache import PagedKVCache
 from .sampling import argmax as _argmax
@@ -158,6 +158,76 @@ class GreedyHead:
         winner = exact == best[rows]
         return torch.full((S,), V, dtype=torch.long).scatter_reduce_(
             0, rows[winner], cols[winner], "amin")
+
+
+class Int8GreedyHead:
+    """GreedyHead's exact argmax with an int8 screen, in one C++ call (csrc/greedy_head.cpp).
+
+    1. x and each row W_j rounded to int8 with a symmetric scale (s_x = max|x|/127,
+       s_j = max|W_j|/127): x = x^ + dx, W_j = W^_j + E_j. A = xq Wq^T in int32 is
+       exact, a^_j = s_x s_j A_j, and by Cauchy-Schwarz
+           |a^_j - l_j| <= B = 1.01 (|dx| max_j|W_j| + |x^| max_j|E_j|)
+                               + 2 K 2^-24 |x| max_j|W_j|   (+ 2^-20 max|a^| in the kernel):
+       the two roundings (dx per step, E once at load), the float32 accumulation
+       of l, and the float32 products of a^.
+    2. and 3. as GreedyHead: candidates a^_j >= max(a^) - 2B, found through
+       64-column chunk maxima, rechecked in float32; ties go to the lowest id.
+    Rows with more than MAX_CANDIDATES candidates are computed in full.
+    It reads half the bytes of the bf16 screen, writes only chunk maxima, and
+    rechecks in the same call.
+    """
+
+    CHUNK = 64
+    MAX_CANDIDATES = 256  # per row
+
+    def __init__(self, weight: torch.Tensor, kernel):
+        self.kernel, self.weight = kernel, weight.contiguous()
+        V, K = weight.shape
+        self.vocab, self.padded, self.k4 = V, -(-V // self.CHUNK) * self.CHUNK, -(-K // 4)
+        w = weight.new_zeros(self.padded, self.k4 * 4)
+        w[:V, :K] = weight
+        self.w_scale = w.abs().amax(1).clamp_(min=torch.finfo(torch.float32).tiny) / 127
+        wq = (w / self.w_scale[:, None]).round_().clamp_(-127, 127)
+        self.packed = ((wq.to(torch.int16) + 128).to(torch.uint8)
+                       .view(self.padded // 16, 16, self.k4, 4).permute(0, 2, 1, 3).contiguous())
+        w_norm = float(weight.norm(dim=1).max())
+        error_norm = float((w - wq * self.w_scale[:, None]).norm(dim=1).max())
+        self.dx_factor, self.xhat_factor = 1.01 * w_norm, 1.01 * error_norm
+        self.x_factor = 2 * K * 2.0 ** -24 * w_norm
+
+    def argmax(self, x: torch.Tensor, full_logits) -> torch.Tensor:
+        """x: [S, h] float32 normed rows; full_logits(rows) computes rows the screen cannot."""
+        S, K = x.shape
+        x = x.contiguous()
+        sx = x.abs().amax(1).clamp_(min=torch.finfo(torch.float32).tiny) / 127
+        xs = x / sx[:, None]
+        xq = torch.round(xs)
+        bound = sx * (self.dx_factor * (xs - xq).norm(dim=1) + self.xhat_factor * xq.norm(dim=1)
+                      + self.x_factor * xs.norm(dim=1))
+        if not bool(torch.isfinite(bound).all()):
+            return _argmax(full_logits(x))
+        xq8 = torch.zeros(S, self.k4 * 4, dtype=torch.int8)
+        xq8[:, :K] = xq.to(torch.int8)
+        chunk_max = torch.empty(S, self.padded // self.CHUNK)
+        out = self.kernel(self.packed, self.weight, self.w_scale, self.vocab, self.k4, x, xq8,
+                          sx, xq.sum(1).to(torch.int32), bound, chunk_max,
+                          self.MAX_CANDIDATES)
+        flat = out < 0
+        if bool(flat.any()):
+            out[flat] = _argmax(full_logits(x[flat]))
+        return out
+
+
+def greedy_head(weight: torch.Tensor, device: torch.device, dtype: torch.dtype, backend: str):
+    """The fastest exact greedy head here: the int8 kernel, the bf16 screen, or None
+    (plain float32 logits). KVENGINE_GREEDY_SCREEN=0 turns the screens off."""
+    if os.environ.get("KVENGINE_GREEDY_SCREEN", "1") == "0":
+        return None
+    if device.type == "cpu" and dtype == torch.float32:
+        kernels = cpu_kernels.load()
+        if kernels is not None and kernels.greedy is not None:
+            return Int8GreedyHead(weight, kernels.greedy)
+    return GreedyHead(weight) if GreedyHead.available(device, dtype, backend) else None
 
 
 class RMSNorm:
@@ -413,16 +483,17 @@ class LlamaModel:
         if head is None or spec.tie_word_embeddings:
             head = self.embed
         self.lm_head = Linear(head, None, self.backend)
-        self.greedy_head = (GreedyHead(head) if GreedyHead.available(self.device, self.dtype,
-                                                                     self.backend) else None)
+        self.greedy_head = greedy_head(head, self.device, self.dtype, self.backend)
 
     def _decode_kernel(self):
         """The CPU decode-attention kernel where it applies (float32 on the CPU), else None."""
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None
-        kernel = cpu_attention.load()
+        kernels = cpu_kernels.load()
         group = self.spec.num_heads // self.spec.num_kv_heads
-        return kernel if kernel is not None and kernel.supports(self.spec.head_dim, group) else None
+        if kernels is None or not kernels.attention.supports(self.spec.head_dim, group):
+            return None
+        return kernels.attention
 
     def decodes_in_place(self, cache: PagedKVCache) -> bool:
         """Do the decode rows go through the CPU kernel (no gather, no padding bias)?"""

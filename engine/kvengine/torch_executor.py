@@ -239,7 +239,8 @@ class TorchExecutor:
         ids, positions, batch, sample_rows, sample_reqs, sample_at = self._prepare(out)
         sampled: list[int | None] = [None] * len(out.scheduled)
         if ids is not None:
-            self.cache.zero_fresh_blocks(batch.slots)
+            if not self.model.decodes_in_place(self.cache):  # the kernel reads no padding
+                self.cache.zero_fresh_blocks(batch.slots)
             hidden = self.model.forward(ids, positions, batch, self.cache)
             if sample_rows:
                 last = hidden[torch.tensor(sample_rows, device=self.device)]

@@ -66,6 +66,13 @@ inline void scores_1(const float (*qs)[D], const float *k, float *s, int64_t n) 
     }
 }
 
+// Blocks sit anywhere in the pool, so each one starts with a cache miss that the
+// hardware prefetcher cannot foresee: ask for the next K block, and for this
+// block's V (read after the softmax), while this block's scores are computed.
+inline void prefetch(const float *block, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 3);
+}
+
 template <int D, int G>
 void attend(const float *q, const float *k_head, const float *v_head, const int64_t *table,
             int64_t first, int64_t len, int64_t bs, float scale, float *s, float *out) {
@@ -76,6 +83,8 @@ void attend(const float *q, const float *k_head, const float *v_head, const int6
     for (int64_t t = first; t < len;) {  // scores, block by block
         const int64_t b = t / bs, end = std::min(len, (b + 1) * bs);
         const float *k = k_head + (table[b] * bs + (t - b * bs)) * D;
+        if (end < len) prefetch(k_head + table[b + 1] * bs * D, bs * D);
+        prefetch(v_head + table[b] * bs * D, bs * D);
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
         if constexpr (G % 4 == 0 && D % 16 == 0)
             for (; t + 4 <= end; t += 4, k += 4 * D)

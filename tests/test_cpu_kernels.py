@@ -1,24 +1,29 @@
-"""The CPU decode-attention kernel against the torch path it replaces.
+"""kvengine's CPU kernels against the torch paths they replace.
 
-The kernel reads K/V in place through block tables; the torch path gathers
-them into a padded batch and masks the padding. Same numbers to float32
-tolerance on every instantiated shape, ragged lengths, block sizes and sliding
-windows; the engine gives the same greedy tokens either way; without a
-compiler the model keeps the torch path and says why.
+Decode attention reads K/V in place through block tables; the torch path
+gathers them into a padded batch and masks the padding. Same numbers to
+float32 tolerance on every instantiated shape, ragged lengths, block sizes and
+sliding windows. The int8 greedy head gives exactly torch.argmax of the
+float32 logits, ties and near-ties included. The engine gives the same greedy
+tokens with and without the kernels; without a compiler, or with a source
+that does not build, the model keeps the torch paths and says why.
 """
 import pytest
 import torch
-from kvengine import cpu_attention
+from kvengine import cpu_kernels
 from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig
 from kvengine.kv_cache import PagedKVCache
-from kvengine.model import decode_bias
+from kvengine.model import Int8GreedyHead, decode_bias
 from kvengine.request import SamplingParams
 from kvengine.torch_executor import build_torch_engine
 
-kernel = cpu_attention.load()
+kernels = cpu_kernels.load()
+kernel = kernels.attention if kernels else None
 needs_kernel = pytest.mark.skipif(
-    kernel is None, reason=f"no CPU kernel here: {cpu_attention.unavailable_reason()}")
+    kernel is None, reason=f"no CPU kernels here: {cpu_kernels.unavailable_reason()}")
+needs_vnni = pytest.mark.skipif(kernels is None or kernels.greedy is None,
+                                reason="no AVX-512 VNNI here: the bf16 screen is used")
 
 
 def torch_decode(q, cache, tables, lens, window, scale):
@@ -93,18 +98,20 @@ def _greedy_tokens(**config):
 def test_engine_tokens_equal_with_and_without_the_kernel(monkeypatch):
     engine, with_kernel = _greedy_tokens(block_size=8)
     assert engine.executor.model.decode_kernel is not None
-    monkeypatch.setenv(cpu_attention.ENV_SWITCH, "0")
+    assert isinstance(engine.executor.model.greedy_head, Int8GreedyHead) or kernels.greedy is None
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
     engine, without = _greedy_tokens(block_size=8)
     assert engine.executor.model.decode_kernel is None
+    assert not isinstance(engine.executor.model.greedy_head, Int8GreedyHead)
     assert with_kernel == without
 
 
 def test_no_compiler_keeps_the_torch_path(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     monkeypatch.setenv("KVENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    assert cpu_attention.load() is None
-    assert "no C++ compiler" in cpu_attention.unavailable_reason()
+    assert cpu_kernels.load() is None
+    assert "no C++ compiler" in cpu_kernels.unavailable_reason()
     engine, tokens = _greedy_tokens()
     assert engine.executor.model.decode_kernel is None and all(len(t) == 12 for t in tokens)
 
@@ -112,11 +119,66 @@ def test_no_compiler_keeps_the_torch_path(monkeypatch, tmp_path):
 def test_a_broken_build_keeps_the_torch_path(monkeypatch, tmp_path):
     source = tmp_path / "paged_attention.cpp"
     source.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "_state", {})
-    monkeypatch.setattr(cpu_attention, "SOURCE", source)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [source])
     monkeypatch.setenv("KVENGINE_CACHE_DIR", str(tmp_path / "cache"))
-    if cpu_attention.shutil.which("g++") is None:
+    if cpu_kernels.shutil.which("g++") is None:
         pytest.skip("no g++ here")
-    assert cpu_attention.load() is None
-    assert "failed" in cpu_attention.unavailable_reason()
+    assert cpu_kernels.load() is None
+    assert "failed" in cpu_kernels.unavailable_reason()
     assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-built left to load
+
+
+# -- the int8 greedy head ---------------------------------------------------------------
+def _full(w):
+    return lambda x: x @ w.t()
+
+
+def _normed(rows, k, seed):
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+@needs_vnni
+@pytest.mark.parametrize("vocab,k", [(32000, 256), (1000, 64), (999, 30), (70, 16)])
+def test_int8_head_equals_float32_argmax(vocab, k):
+    w = torch.randn(vocab, k, generator=torch.Generator().manual_seed(vocab)) * 0.02
+    x = _normed(67, k, seed=k)  # not a multiple of the kernel's 3-row tile
+    head = Int8GreedyHead(w, kernels.greedy)
+    assert torch.equal(head.argmax(x, _full(w)), (x @ w.t()).argmax(-1))
+
+
+@needs_vnni
+def test_int8_head_ties_near_ties_and_the_last_padded_chunk():
+    w = torch.randn(2000, 64, generator=torch.Generator().manual_seed(1)) * 0.02
+    x = _normed(3, 64, seed=2)
+    best = int((x[0] @ w.t()).argmax())
+    w[1500] = w[best]  # an exact tie: the lower id wins, as torch.argmax
+    w[700] = w[best] + 1e-4 * x[0] / x[0].norm()  # ahead by ~1e-4 * |x|: invisible in int8
+    toward_1 = x[1] / x[1].norm() - x[0] / x[0].norm()  # up for row 1, down for row 0
+    w[1999] = 3 * toward_1 / toward_1.norm()  # row 1's winner, in the padded last chunk
+    head = Int8GreedyHead(w, kernels.greedy)
+    got = head.argmax(x, _full(w))
+    assert got[0].item() == 700 and got[1].item() == 1999
+    assert torch.equal(got, (x @ w.t()).argmax(-1))
+
+
+@needs_vnni
+def test_int8_head_negative_logits_never_pick_padding():
+    w = -torch.rand(100, 32, generator=torch.Generator().manual_seed(3)) - 0.5
+    x = torch.rand(4, 32, generator=torch.Generator().manual_seed(4)) + 0.1  # every logit < 0
+    head = Int8GreedyHead(w, kernels.greedy)
+    assert torch.equal(head.argmax(x, _full(w)), (x @ w.t()).argmax(-1))
+
+
+@needs_vnni
+def test_int8_head_flat_rows_are_computed_in_full():
+    w = torch.ones(1000, 16) * 0.01  # every logit equal: all candidates
+    calls = []
+
+    def full(rows):
+        calls.append(rows.shape[0])
+        return rows @ w.t()
+    x = torch.randn(4, 16)
+    assert Int8GreedyHead(w, kernels.greedy).argmax(x, full).tolist() == [0, 0, 0, 0]
+    assert calls == [4]
