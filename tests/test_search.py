@@ -114,6 +114,21 @@ def test_killed_search_resumes_without_losing_finished_trials(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # ask() without optimize(), on purpose
+def test_a_trial_killed_before_its_first_heartbeat_is_failed_on_resume(tmp_path):
+    storage = open_storage(f"sqlite:///{tmp_path}/s.db", heartbeat_s=1)  # grace period 3 s
+    objective = Objective("throughput", ())
+    study = open_study(storage, "z", objective, "tpe", 0, {})
+    orphan = study.ask()  # RUNNING, no heartbeat thread ever ran: what a kill leaves behind
+    beating = study.ask()
+    time.sleep(3.2)
+    storage.record_heartbeat(beating._trial_id)  # alive (another worker's trial)
+    open_study(storage, "z", objective, "tpe", 0, {})
+    states = {t.number: t.state for t in optuna.load_study(study_name="z", storage=storage).trials}
+    assert states == {orphan.number: optuna.trial.TrialState.FAIL,
+                      beating.number: optuna.trial.TrialState.RUNNING}
+
+
 def test_two_processes_share_one_sqlite_study(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_workload(busy_workload(80, 20.0), str(trace))

@@ -71,7 +71,6 @@ class DecodeAttentionKernel:
         self._supports = lib.kvengine_supports
         self._supports.restype = ctypes.c_int
         self._supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        self._scratch = torch.empty(0)
 
     def supports(self, head_dim: int, group: int) -> bool:
         return bool(self._supports(head_dim, group))
@@ -88,13 +87,13 @@ class DecodeAttentionKernel:
                 raise ValueError("the CPU kernel takes contiguous float32 CPU tensors")
         if tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("block tables and lengths must be int64")
-        need = (H // hkv) * tables.shape[1] * bs
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        # per call, not kept: engines in several threads share this object, and
+        # ctypes lets them run at once
+        scratch = torch.empty((H // hkv) * tables.shape[1] * bs)
         out = torch.empty_like(q)
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       tables.contiguous().data_ptr(), lens.contiguous().data_ptr(),
-                      out.data_ptr(), self._scratch.data_ptr(), S, H, hkv, d, num_blocks, bs,
+                      out.data_ptr(), scratch.data_ptr(), S, H, hkv, d, num_blocks, bs,
                       tables.shape[1], window or 0, scale)
         if rc != 0:
             raise ValueError(f"the CPU kernel has no instance for head_dim {d}, "

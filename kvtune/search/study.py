@@ -6,6 +6,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import optuna
 import sqlalchemy.exc
@@ -83,7 +84,40 @@ def open_study(storage, name: str, objective: Objective, sampler: str, seed: int
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+    fail_trials_without_heartbeat(study, storage)
     return study
+
+
+def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
+    """Fail the RUNNING trials that never beat and started longer ago than the grace period.
+
+    Optuna's fail_stale_trials skips a RUNNING trial with no heartbeat row: one
+    whose process was killed between creating it and its heartbeat thread's
+    first beat. It would stay RUNNING for ever and count against --trials."""
+    if not isinstance(storage, optuna.storages.RDBStorage) or storage.heartbeat_interval is None:
+        return []
+    # optuna<6 is pinned: its schema and session helper are known
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    grace = timedelta(seconds=storage.grace_period or 2 * storage.heartbeat_interval)
+    now = datetime.now()
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if trial.datetime_start is None or now - trial.datetime_start <= grace:
+            continue
+        with _create_scoped_session(storage.scoped_session) as session:
+            beats = session.query(models.TrialHeartbeatModel).filter_by(trial_id=trial._trial_id).count()
+        if beats:
+            continue
+        try:
+            storage.set_trial_user_attr(trial._trial_id, "fail_reason",
+                                        "its search process died before the trial's first heartbeat")
+            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished meanwhile: it was alive after all
+        failed.append(trial.number)
+    return failed
 
 
 def count_taken(study: optuna.Study) -> int:
