@@ -15,7 +15,7 @@ from .targets import (EngineTarget, LiveOptions, SglangTarget, SimTarget, Target
                       UrlTarget, VllmTarget)
 from .targets.sim import config_dict
 from .workload import FORMATS, head, rate_scale, read_workload
-from .workload.cli import positive_float, positive_int
+from .workload.cli import name_or_url, positive_float, positive_int
 
 TARGETS = ("sim", "engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
@@ -23,18 +23,11 @@ DEFAULT_SPECS = {"sim": ("llama-3-8b", "h100-80gb"), "engine:torch": ("tiny", "c
                  "engine:sim": ("llama-3-8b", "h100-80gb")}
 
 
-def target_arg(text: str) -> str:
-    if text in TARGETS or text.startswith(("http://", "https://")):
-        return text
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(TARGETS)} or a server URL "
-                                     f"(http://host:port), got {text!r}")
-
-
 def add_run_command(sub) -> None:
     p = sub.add_parser("run", help="replay a workload on a target and summarise it",
                        description="Replay a workload on a target with one engine config, store the run "
                                    "and print its summary: client-side and server-side figures side by side.")
-    p.add_argument("--target", type=target_arg, default="sim", metavar="TARGET",
+    p.add_argument("--target", type=name_or_url(TARGETS), default="sim", metavar="TARGET",
                    help="sim (engine core, virtual time), engine (kvengine serve), vllm (vllm serve), "
                         "sglang, or the URL of a running server (observe only) (default: %(default)s)")
     p.add_argument("--workload", required=True, metavar="FILE", help="the trace to replay")

@@ -24,7 +24,7 @@ from ..targets import (
     VllmTarget,
 )
 from ..targets.process import ManagedServer, free_port
-from ..workload.cli import positive_float, positive_int
+from ..workload.cli import name_or_url, positive_float, positive_int
 from .fit import fit_coefficients, step_shapes
 from .probes import (
     CalibrationError,
@@ -42,14 +42,6 @@ DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "
 FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
 
 
-def target_arg(text: str) -> str:
-    import argparse
-    if text in TARGETS or text.startswith(("http://", "https://")):
-        return text
-    raise argparse.ArgumentTypeError(f"expected one of {', '.join(TARGETS)} or a server URL "
-                                     f"(http://host:port), got {text!r}")
-
-
 def add_calibrate_command(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="fit the sim's cost model to a live server and save it as a named profile",
@@ -57,7 +49,7 @@ def add_calibrate_command(sub) -> None:
                     "sizes, long contexts, prefix hits), fit kvengine's cost coefficients to the timings by "
                     "least squares, report the residuals per probe class, and save the named profile in the "
                     "store for `kvtune run/search --target sim --profile NAME`.")
-    p.add_argument("--target", type=target_arg, default="engine", metavar="TARGET",
+    p.add_argument("--target", type=name_or_url(TARGETS), default="engine", metavar="TARGET",
                    help="engine (start kvengine serve), vllm, sglang, or the URL of a running server "
                         "(default: %(default)s)")
     p.add_argument("--name", metavar="PROFILE",

@@ -289,6 +289,16 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def name_or_url(names: tuple[str, ...]):
+    """An argparse type: one of `names`, or a server URL (http://host:port)."""
+    def parse(text: str) -> str:
+        if text in names or text.startswith(("http://", "https://")):
+            return text
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)} or a server URL "
+                                         f"(http://host:port), got {text!r}")
+    return parse
+
+
 def positive_int(text: str) -> int:
     return _checked(int, text, lambda v: v >= 1, "an integer >= 1")
 
