@@ -288,7 +288,7 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     cost = StepCost.build(model_preset("llama-3-8b"), device_preset("a10-24gb"), "auto", 16, slow)
-    assert summary["ttft_p50"] == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1000))
+    assert summary["ttft_p50"] == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1))
     assert "a10-24gb" in p.stdout
     p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
                         "--db", db], capture_output=True, text=True, timeout=120)

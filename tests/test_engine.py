@@ -24,7 +24,7 @@ def test_one_request_alone_ttft_is_one_prefill_step():
     req = e.add_request("a", list(range(1000, 2000)), SamplingParams(max_tokens=4, ignore_eos=True))
     run_all(e)
     t = request_timings(req)
-    prefill = e.cost.step_time(1000, 1, 1000, 1000 * 1000)
+    prefill = e.cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1)  # causal pairs, one prefill
     assert t.ttft == pytest.approx(prefill)
     decodes = [e.cost.step_time(1, 1, ctx, ctx) for ctx in (1001, 1002, 1003)]
     assert t.itl == pytest.approx(tuple(decodes))
@@ -89,13 +89,26 @@ def test_step_log_records_preemptions_and_usage():
     assert all(n <= e.config.max_num_batched_tokens for n in e.steps.num_tokens)
 
 
+def test_logits_cost_only_where_a_token_is_sampled():
+    """vLLM computes the lm_head only for the rows it samples: a prefill chunk that does not
+    finish its prompt pays no lm_head, and prefill tokens pay none but the last."""
+    tiny = model_preset("tiny")  # vocab 32000 x hidden 256: most of its parameters
+    cost = StepCost.build(tiny, DEVICE, "auto", 16, CostCoefficients(memory_efficiency=1e6))  # compute-bound
+    head = cost.flops_per_sample / cost.flops_per_s
+    mid_chunk, last_chunk = cost.step_time(1024, 1, 1024, 0, 0), cost.step_time(1024, 1, 1024, 0, 1)
+    assert last_chunk - mid_chunk == pytest.approx(head)
+    assert cost.flops_per_token == pytest.approx(2 * (tiny.num_params - 2 * 32000 * 256))
+
+
 def test_fp8_and_block_size_move_the_step_time_the_right_way():
     def decode_step(dtype="auto", bs=16):
         return StepCost.build(MODEL, DEVICE, dtype, bs).step_time(256, 256, 256 * 4000, 256 * 4000)
     assert decode_step("fp8") < decode_step("auto")
     assert decode_step(bs=8) > decode_step(bs=16) > decode_step(bs=64)
     small = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(1, 1, 100, 100)
-    weights_time = MODEL.weight_bytes / (DEVICE.hbm_bandwidth * CostCoefficients().memory_efficiency)
-    assert small == pytest.approx(weights_time + 1.5e-3 + 1e-5, rel=0.01)  # batch 1 decode: weight-bound
+    # batch 1 decode: weight-bound, reading every weight but the untied input embedding
+    streamed = MODEL.weight_bytes - MODEL.vocab_size * MODEL.hidden_size * MODEL.dtype_bytes
+    weights_time = streamed / (DEVICE.hbm_bandwidth * CostCoefficients().memory_efficiency)
+    assert small == pytest.approx(weights_time + 1.5e-3 + 1e-5, rel=0.01)
     prefill = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(8192, 1, 8192, 8192 * 8192)
     assert prefill > 10 * small  # a long prefill is compute-bound

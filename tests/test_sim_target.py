@@ -22,7 +22,7 @@ def test_one_request_alone_ttft_is_one_prefill_step():
     result = run([TraceRequest(0.0, 1000, 3)])
     rec = result.requests[0]
     cost = StepCost.build(MODEL, DEVICE, "auto", 16)
-    assert rec.ttft_s == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1000))
+    assert rec.ttft_s == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1))
     assert rec.output_tokens == 3 and len(rec.itl_s) == 2 and rec.queue_s == 0
     assert result.summary["completed"] == 1 and result.summary["prefix_hit_rate"] == 0.0
 

@@ -1,8 +1,11 @@
 """Roofline step time of a ModelSpec on a DeviceSpec.
 
-A step reads the weights once and the K/V of every scheduled request's context
+A step reads the weights once (all but an untied input embedding, of which it
+gathers only its tokens' rows) and the K/V of every scheduled request's context
 at the KV dtype's bytes per element, writes the new tokens' K/V, and does
-2 * params FLOPs per token plus the attention FLOPs. Its time is
+2 * (non-embedding params) FLOPs per token, plus the lm_head's 2 * vocab *
+hidden per sampled token (logits are computed only where a token is sampled:
+a prefill chunk's last row, each decode), plus the attention FLOPs. Its time is
 max(memory time, compute time) + a fixed per-step overhead + a per-sequence
 overhead. Small blocks read K/V less efficiently (more block-table lookups
 and partial tiles per byte), which is how block_size enters.
@@ -25,6 +28,9 @@ class CostCoefficients:
     attention_efficiency: float = 0.35  # attention kernels reach less of peak than GEMMs
     step_overhead_s: float = 1.5e-3  # scheduling, input prep, launch, sampling per step
     per_seq_overhead_s: float = 1.0e-5  # per scheduled request per step
+    # per request with a prefill chunk in the step: attention launched per sequence (a CPU's
+    # sdpa per chunk and layer); 0 for varlen kernels that take every chunk in one launch
+    per_prefill_overhead_s: float = 0.0
     block_overhead_tokens: float = 2.0  # K/V read efficiency = bs / (bs + this)
     # Share of HBM bandwidth the paged K/V reads reach, when it differs from the weights'
     # (gathers through block tables, padded batches); None: memory_efficiency.
@@ -38,16 +44,18 @@ class CostCoefficients:
 class StepCost:
     """The per-configuration constants of the roofline, computed once."""
 
-    weight_bytes: float
+    weight_bytes: float  # read per step
     kv_read_bytes_per_token: float  # divided by the block-size (and K/V bandwidth) efficiency
     kv_write_bytes_per_token: float
-    flops_per_token: float
+    flops_per_token: float  # the transformer layers
+    flops_per_sample: float  # the lm_head, per sampled token
     attention_flops_per_pair: float  # per (query token, context token) pair
     bytes_per_s: float
     flops_per_s: float
     attention_flops_per_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
+    per_prefill_overhead_s: float
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -59,28 +67,38 @@ class StepCost:
             block_eff *= c.kv_memory_efficiency / c.memory_efficiency
         # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
         attn_pair = 4.0 * model.num_heads * model.head_dim * model.num_layers
+        vocab_matrix = model.vocab_size * model.hidden_size
+        gathered_embedding = 0 if model.tie_word_embeddings else vocab_matrix
+        vocab_matrices = 1 if model.tie_word_embeddings else 2
         return cls(
-            weight_bytes=float(model.weight_bytes),
+            weight_bytes=float((model.num_params - gathered_embedding) * model.dtype_bytes),
             kv_read_bytes_per_token=kv_token / block_eff,
             kv_write_bytes_per_token=float(kv_token),
-            flops_per_token=2.0 * model.num_params,
+            flops_per_token=2.0 * (model.num_params - vocab_matrices * vocab_matrix),
+            flops_per_sample=2.0 * vocab_matrix,
             attention_flops_per_pair=attn_pair,
             bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
             flops_per_s=device.bf16_flops * c.compute_efficiency,
             attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
             step_overhead_s=c.step_overhead_s,
             per_seq_overhead_s=c.per_seq_overhead_s,
+            per_prefill_overhead_s=c.per_prefill_overhead_s,
         )
 
     def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
-                  attention_token_pairs: int) -> float:
+                  attention_token_pairs: int, num_samples: int | None = None,
+                  num_prefills: int = 0) -> float:
         """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
         requests whose contexts (after the step) sum to `context_tokens`;
-        `attention_token_pairs` is the sum over requests of new_tokens * context."""
+        `attention_token_pairs` the causal (query, key) pairs (scheduler.causal_pairs);
+        `num_samples` the requests that sample a token (default: all of them);
+        `num_prefills` the requests computing a prefill chunk (more than one token)."""
         if num_tokens == 0:
             return 0.0
+        samples = num_seqs if num_samples is None else num_samples
         mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
                + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
-        compute = (num_tokens * self.flops_per_token / self.flops_per_s
+        compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
                    + attention_token_pairs * self.attention_flops_per_pair / self.attention_flops_per_s)
-        return max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
+        return (max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
+                + num_prefills * self.per_prefill_overhead_s)

@@ -42,5 +42,7 @@ class SimExecutor:
                 seed = req.all_token_ids[0] if n else 0
                 sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
         step = self.cost.step_time(out.total_tokens, len(out.scheduled), out.context_tokens,
-                                   out.attention_token_pairs)
+                                   out.attention_token_pairs,
+                                   sum(1 for token in sampled if token is not None),
+                                   sum(1 for n in out.num_new_tokens if n > 1))
         return ExecutorOutput(sampled, step)

@@ -18,6 +18,13 @@ from .config import EngineConfig
 from .request import Request, RequestStatus
 
 
+def causal_pairs(new_tokens: int, context: int) -> int:
+    """(query, key) pairs of `new_tokens` queries ending a `context`-token sequence under a
+    causal mask: each attends to the earlier context and to its chunk up to itself. A decode
+    (1 token) attends to the whole context; a fresh prefill of n tokens to n(n+1)/2 pairs."""
+    return new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)  # running first, then admitted
@@ -27,7 +34,7 @@ class SchedulerOutput:
     total_tokens: int = 0
     # Cost-model inputs, summed over the batch while scheduling (context = after the step).
     context_tokens: int = 0
-    attention_token_pairs: int = 0  # sum of new_tokens * context
+    attention_token_pairs: int = 0  # (query, key) pairs a causal kernel computes; see causal_pairs
 
 
 class Scheduler:
@@ -108,7 +115,7 @@ class Scheduler:
                 num_new.append(n)
                 total += n
                 context += ctx
-                pairs += n * ctx
+                pairs += causal_pairs(n, ctx)
                 budget -= n
                 i += 1
                 continue
@@ -150,7 +157,7 @@ class Scheduler:
         out.num_new_tokens.append(n)
         out.total_tokens += n
         out.context_tokens += ctx
-        out.attention_token_pairs += n * ctx
+        out.attention_token_pairs += causal_pairs(n, ctx)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

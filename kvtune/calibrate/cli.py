@@ -239,6 +239,7 @@ def format_profile(profile: CalibrationProfile) -> str:
                                             else "    (= memory_efficiency)"),
              f"  step_overhead_s       {c.step_overhead_s:10.4g}",
              f"  per_seq_overhead_s    {c.per_seq_overhead_s:10.4g}",
+             f"  per_prefill_overhead_s{c.per_prefill_overhead_s:10.4g}",
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]

@@ -31,7 +31,7 @@ from scipy.optimize import least_squares
 from .probes import ITL, TTFT, CalibrationError, ProbeRun
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
-          "per_seq_overhead_s")
+          "per_seq_overhead_s", "per_prefill_overhead_s")
 KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit`)
 CLIENT = "client_overhead_s"  # on a request reaching an idle server
 CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
@@ -39,7 +39,7 @@ CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with oth
 # peak; a CPU preset is a rough guess, so they may land far from 1).
 BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
           "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), "step_overhead_s": (1e-7, 10.0),
-          "per_seq_overhead_s": (1e-10, 1.0), CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
+          "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0), CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
 
 
 # ---------------------------------------------------------------- step shapes
@@ -49,11 +49,15 @@ class _RecordingExecutor(SimExecutor):
 
     def __init__(self, cost: StepCost):
         super().__init__(cost)
-        self.shapes: list[tuple[int, int, int, int]] = []
+        self.shapes: list[tuple[int, int, int, int, int, int]] = []
 
     def execute(self, out) -> ExecutorOutput:
-        self.shapes.append((out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs))
-        return super().execute(out)
+        result = super().execute(out)
+        samples = sum(1 for token in result.sampled if token is not None)
+        prefills = sum(1 for n in out.num_new_tokens if n > 1)
+        self.shapes.append((out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
+                            samples, prefills))
+        return result
 
 
 @dataclass
@@ -108,7 +112,7 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
             client = ("busy" if run.probe.background else "idle") if measure == TTFT else None
             observations.append(Observation(run.probe.kind, run.probe.label, measure, run.measured(measure),
                                             index[chosen], weights, client, run.spread(measure)))
-    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 4)
+    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 6)
     return shapes, observations
 
 
@@ -187,7 +191,7 @@ def coefficients_from(values: dict, base: CostCoefficients | None = None) -> Cos
 def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
                coeffs: CostCoefficients) -> np.ndarray:
     cost = StepCost.build(model, device, kv_cache_dtype, block_size, coeffs)
-    return np.array([cost.step_time(int(n), int(s), int(c), int(p)) for n, s, c, p in shapes])
+    return np.array([cost.step_time(*(int(v) for v in shape)) for shape in shapes])
 
 
 def predict(observations: list[Observation], times: np.ndarray, client_overhead_s: float,
@@ -317,10 +321,12 @@ def _starts(base: CostCoefficients, obs: list[Observation]):
     itl = [o.measured_s for o in obs if o.measure == ITL] or [o.measured_s for o in obs]
     shortest = min(itl)
     client = 0.1 * min(o.measured_s for o in obs)
-    first = {**base.to_dict(), CLIENT: client, CLIENT_BUSY: client}
+    first = {**base.to_dict(), CLIENT: client, CLIENT_BUSY: client,
+             "per_prefill_overhead_s": base.per_prefill_overhead_s or 1e-3 * shortest}  # log-space: not 0
     yield first
     for scale in (10.0, 1.0, 0.1, 0.01, 0.001):
         yield {**first, "memory_efficiency": base.memory_efficiency * scale,
                "compute_efficiency": base.compute_efficiency * scale,
                "attention_efficiency": base.attention_efficiency * scale,
-               "step_overhead_s": 0.3 * shortest, "per_seq_overhead_s": 0.01 * shortest}
+               "step_overhead_s": 0.3 * shortest, "per_seq_overhead_s": 0.01 * shortest,
+               "per_prefill_overhead_s": 0.01 * shortest}
