@@ -253,7 +253,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
     fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
     free extra coefficient would only trade the weights' read time against the step
-    overhead)."""
+    overhead, so the split fit keeps the shared fit's weight bandwidth)."""
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     if len(obs) < len(FITTED) + 1:
@@ -265,14 +265,14 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
     tied = dataclasses.replace(base, kv_memory_efficiency=None)
 
-    def solve(names: list[str], starts) -> tuple:
+    def solve(names: list[str], starts, fixed: CostCoefficients = tied) -> tuple:
         lo = np.log([BOUNDS[n][0] for n in names])
         hi = np.log([BOUNDS[n][1] for n in names])
 
         def unpack(x):
             values = dict(zip(names, np.exp(x)))
             client = values.get(CLIENT, 0.0)
-            return coefficients_from(values, tied), client, values.get(CLIENT_BUSY, client)
+            return coefficients_from(values, fixed), client, values.get(CLIENT_BUSY, client)
 
         def residuals(x):
             coeffs, client, busy = unpack(x)
@@ -294,8 +294,13 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     names = [*FITTED, *clients]
     best, coeffs, client, busy = solve(names, _starts(base, obs))
     shared = {**coeffs.to_dict(), CLIENT: client, CLIENT_BUSY: busy}
-    split = solve([*FITTED, KV, *clients], [{**shared, KV: coeffs.memory_efficiency * f}
-                                              for f in (1.0, 0.3, 0.1, 0.03)])
+    # The split keeps the weights' bandwidth share of the shared fit: on memory-bound steps
+    # the weights' read time and the step overhead are one constant, and freed together they
+    # slide along that valley wherever the timings are noisy.
+    weights_fixed = dataclasses.replace(tied, memory_efficiency=coeffs.memory_efficiency)
+    split = solve([n for n in FITTED if n != "memory_efficiency"] + [KV, *clients],
+                  [{**shared, KV: coeffs.memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)],
+                  weights_fixed)
     if split[0].cost < kv_split_gain * best.cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
