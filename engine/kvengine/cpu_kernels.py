@@ -51,7 +51,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c++17"]
 ENV_SWITCH = "KVENGINE_CPU_KERNEL"
 log = logging.getLogger(__name__)
 
-_state: dict = {}  # "kernel" / "reason" once load() has run
+_state: dict = {}  # "kernel" (the CpuKernels or None) and "reason", once load() has run
 
 
 class CpuKernels:
@@ -132,7 +132,7 @@ def load() -> CpuKernels | None:
             _state["kernel"], _state["reason"] = _load(), None
         except KernelUnavailable as e:
             _state["kernel"], _state["reason"] = None, str(e)
-            log.info("CPU attention kernel unavailable, using the torch path: %s", e)
+            log.info("CPU kernels unavailable, using the torch paths: %s", e)
     return _state["kernel"]
 
 

@@ -41,8 +41,15 @@ class SimExecutor:
             else:
                 seed = req.all_token_ids[0] if n else 0
                 sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
-        step = self.cost.step_time(out.total_tokens, len(out.scheduled), out.context_tokens,
-                                   out.attention_token_pairs,
-                                   sum(1 for token in sampled if token is not None),
-                                   sum(1 for n in out.num_new_tokens if n > 1))
-        return ExecutorOutput(sampled, step)
+        return ExecutorOutput(sampled, self.step_time(step_shape(out, sampled)))
+
+    def step_time(self, shape: tuple[int, ...]) -> float:
+        return self.cost.step_time(*shape)
+
+
+def step_shape(out: SchedulerOutput, sampled: list[int | None]) -> tuple[int, ...]:
+    """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
+    attention pairs, sampled tokens, prefill chunks (requests computing more than one token)."""
+    return (out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
+            sum(1 for token in sampled if token is not None),
+            sum(1 for n in out.num_new_tokens if n > 1))

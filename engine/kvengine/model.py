@@ -129,8 +129,6 @@ class GreedyHead:
 
     @staticmethod
     def available(device: torch.device, dtype: torch.dtype, backend: str) -> bool:
-        if os.environ.get("KVENGINE_GREEDY_SCREEN", "1") == "0":
-            return False
         return (device.type == "cpu" and dtype == torch.float32 and backend == "onednn"
                 and _onednn_ok(torch.bfloat16))
 

@@ -24,7 +24,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
-from kvengine.executor import ExecutorOutput, SimExecutor
+from kvengine.executor import SimExecutor
 from kvengine.request import SamplingParams
 from scipy.optimize import least_squares
 
@@ -39,7 +39,8 @@ CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with oth
 # peak; a CPU preset is a rough guess, so they may land far from 1).
 BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
           "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), "step_overhead_s": (1e-7, 10.0),
-          "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0), CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
+          "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0),
+          CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
 
 
 # ---------------------------------------------------------------- step shapes
@@ -49,15 +50,11 @@ class _RecordingExecutor(SimExecutor):
 
     def __init__(self, cost: StepCost):
         super().__init__(cost)
-        self.shapes: list[tuple[int, int, int, int, int, int]] = []
+        self.shapes: list[tuple[int, ...]] = []  # executor.step_shape of each step
 
-    def execute(self, out) -> ExecutorOutput:
-        result = super().execute(out)
-        samples = sum(1 for token in result.sampled if token is not None)
-        prefills = sum(1 for n in out.num_new_tokens if n > 1)
-        self.shapes.append((out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
-                            samples, prefills))
-        return result
+    def step_time(self, shape: tuple[int, ...]) -> float:
+        self.shapes.append(shape)
+        return super().step_time(shape)
 
 
 @dataclass
