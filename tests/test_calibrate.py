@@ -2,6 +2,7 @@
 and a server that dies mid-probe fails clearly with nothing saved."""
 import argparse
 import json
+import subprocess
 import sys
 import threading
 
@@ -163,6 +164,19 @@ def sim_server(tmp_path, coeffs: CostCoefficients, *flags) -> ManagedServer:
     cmd = [sys.executable, "-m", "kvengine", "serve", "--port", str(port), "--executor", "sim",
            "--preset", MODEL, "--device", DEVICE, "--cost-profile", str(path), *flags]
     return ManagedServer(cmd, port, start_timeout_s=60, env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"per_prefill_overhead_s": -1}', "per_prefill_overhead_s must be >= 0, got -1"),
+    ('{"memory_efficiency": 0}', "memory_efficiency must be > 0, got 0"),
+    ('{"step_overhead_s": "1ms"}', "step_overhead_s must be a finite number, got '1ms'"),
+])
+def test_a_bad_cost_profile_is_refused_by_name(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    p = subprocess.run([sys.executable, "-m", "kvengine", "serve", "--executor", "sim", "--cost-profile",
+                        str(path), "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and f"--cost-profile {path}: {message}" in p.stderr
 
 
 def calibrate_cli(*argv) -> int:

@@ -15,7 +15,8 @@ server (`kvtune calibrate`) can replace them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, fields
 
 from .config import DeviceSpec, ModelSpec
 from .memory import kv_bytes_per_token
@@ -35,6 +36,20 @@ class CostCoefficients:
     # Share of HBM bandwidth the paged K/V reads reach, when it differs from the weights'
     # (gathers through block tables, padded batches); None: memory_efficiency.
     kv_memory_efficiency: float | None = None
+
+    def __post_init__(self):
+        """Efficiencies are shares > 0, the rest non-negative: a profile file or a
+        stored fit with anything else would make the sim's clock run backwards."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name == "kv_memory_efficiency":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+            if f.name.endswith("efficiency") and value <= 0:
+                raise ValueError(f"{f.name} must be > 0, got {value}")
+            if value < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
 
     def to_dict(self) -> dict:
         return asdict(self)

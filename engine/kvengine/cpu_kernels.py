@@ -132,7 +132,7 @@ def load() -> CpuKernels | None:
             _state["kernel"], _state["reason"] = _load(), None
         except KernelUnavailable as e:
             _state["kernel"], _state["reason"] = None, str(e)
-            log.info("CPU kernels unavailable, using the torch paths: %s", e)
+            log.warning("CPU kernels unavailable, using the slower torch paths: %s", e)
     return _state["kernel"]
 
 

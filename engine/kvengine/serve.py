@@ -28,7 +28,10 @@ def load_coefficients(path: str | None) -> CostCoefficients | None:
     known = {f.name for f in dataclasses.fields(CostCoefficients)}
     if not isinstance(data, dict) or set(data) - known:
         raise ConfigError(f"--cost-profile {path}: expected an object with some of {', '.join(sorted(known))}")
-    return CostCoefficients(**data)
+    try:
+        return CostCoefficients(**data)
+    except ValueError as err:
+        raise ConfigError(f"--cost-profile {path}: {err}") from None
 
 
 def build_state(args) -> ServerState:
