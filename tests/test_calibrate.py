@@ -1,6 +1,7 @@
 """kvtune calibrate: the fit recovers known coefficients, profiles live in the store,
 and a server that dies mid-probe fails clearly with nothing saved."""
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,14 +120,21 @@ def virtual_loaded_trial(engine, probe, rng, busy_s):
                     sent_at)
 
 
-def test_fit_recovers_coefficients_from_exact_timings():
+@pytest.mark.parametrize("per_prefill_s", [0.0, 4e-3])
+def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s):
+    known = dataclasses.replace(KNOWN, per_prefill_overhead_s=per_prefill_s)
     config = EngineConfig(max_model_len=4096).resolve(model_preset(MODEL), device_preset(DEVICE))
     plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
-    runs = virtual_runs(plan, KNOWN, 2e-3, 5e-3, config)
+    runs = virtual_runs(plan, known, 2e-3, 5e-3, config)
     shapes, observations = step_shapes(runs, model_preset(MODEL), device_preset(DEVICE), config)
     assert {o.kind for o in observations} == {"overhead", "prefill", "decode", "context", "prefix", "loaded"}
     result = fit_coefficients(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
-    assert close(result.coefficients, KNOWN, 0.01) == {}
+    assert close(result.coefficients, known, 0.01) == {}
+    # The per-prefill overhead is freed only where the timings ask for it.
+    if per_prefill_s:
+        assert result.coefficients.per_prefill_overhead_s == pytest.approx(per_prefill_s, rel=0.01)
+    else:
+        assert result.coefficients.per_prefill_overhead_s == 0.0
     assert result.client_overhead_s == pytest.approx(2e-3, rel=0.02)
     assert result.client_overhead_busy_s == pytest.approx(5e-3, rel=0.02)
     residuals = result.residuals()

@@ -205,7 +205,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
         probe_wall_s=round(probe_wall, 2),
-        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.kv_split})
+        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.nested})
 
 
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:

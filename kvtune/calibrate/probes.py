@@ -165,7 +165,11 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     longest = max(64, min(max_prompt or max_model_len, max_model_len - 64))
     repeats = 3 if quick else 5
     probes: list[Probe] = [Probe("overhead", "overhead L=8", 8, 24, (TTFT, ITL), repeats=repeats)]
-    for length in _geometric(16, longest, 5 if quick else 9):
+    # The short prefills pin the overheads; compute and attention show only in the long
+    # ones, so the top octaves get extra lengths (two points there would fit any noise).
+    top = max(16, longest // 8)
+    lengths = sorted(set(_geometric(16, top, 3 if quick else 5)) | set(_geometric(top, longest, 4 if quick else 5)))
+    for length in lengths:
         probes.append(Probe("prefill", f"prefill L={length}", length, 1, (TTFT,), repeats=repeats))
     decode_len = 32
     decode_tokens = 24 if quick else 40
