@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 
 from .clock import WallClock
 from .config import ConfigError, device_preset, model_preset
@@ -13,6 +14,9 @@ from .flags import config_from_args
 from .loop import EngineLoop
 from .metrics import EngineMetrics
 from .server import ServerState, create_app
+
+GIL_SWITCH_INTERVAL_S = 50e-6
+
 
 def load_coefficients(path: str | None) -> CostCoefficients | None:
     """A JSON object of CostCoefficients fields (others keep their defaults)."""
@@ -71,6 +75,12 @@ def serve(args) -> int:
     engine = state.loop.engine
     for line in engine.memory.log_lines(engine.config.max_model_len):
         log.info(line)
+    # The engine thread and the HTTP frontend share one interpreter. At Python's default 5 ms
+    # switch interval, each time the engine thread takes the GIL back after a torch op or a
+    # kernel, a busy frontend (a burst of arrivals, many streams) holds it up to 5 ms more:
+    # measured on 2 CPUs, a bursty replay's TTFT p50 went 41.8 -> 27.6 ms and TPOT p50
+    # 6.0 -> 4.9 ms at 50 us.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     state.loop.start()
     app = create_app(state)
     log.info("serving %s on http://%s:%d (executor %s)", state.served_model_name, args.host, args.port,
