@@ -32,6 +32,7 @@ from kvtune.calibrate.probes import (
     ITL,
     LOADED_FIRST,
     LOADED_SPACING,
+    PREFILL_TIME,
     TTFT,
     ProbeRun,
     RequestTiming,
@@ -64,10 +65,11 @@ def close(fitted: CostCoefficients, known: CostCoefficients, tol: float) -> dict
 
 # ---------------------------------------------------------------- the fit alone (virtual time)
 
-def virtual_runs(plan, coeffs, client_s, busy_s, config):
+def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False):
     """What the plan's probes would measure on an engine stepping exactly by `coeffs`,
     each token reaching the client `client_s` late (`busy_s` for requests arriving at a
-    busy engine, in the middle of a step): ProbeRuns without any HTTP."""
+    busy engine, in the middle of a step), with the engine's own prefill times if asked:
+    ProbeRuns without any HTTP."""
     model, device = model_preset(MODEL), device_preset(DEVICE)
     rng = np.random.default_rng(1)
     runs = []
@@ -91,6 +93,8 @@ def virtual_runs(plan, coeffs, client_s, busy_s, config):
                 engine.step()
             timings = [RequestTiming(start, [t + client_s for t in r.token_times]) for r in reqs]
             trials.append(TrialRun(warm, prompts, timings))
+            if prefill_times and TTFT in probe.measures and len(reqs) == 1:
+                trials[-1].prefill_time_s = reqs[0].first_token_time - reqs[0].first_scheduled_time
         runs.append(ProbeRun(probe, trials))
     return runs
 
@@ -120,14 +124,19 @@ def virtual_loaded_trial(engine, probe, rng, busy_s):
                     sent_at)
 
 
-@pytest.mark.parametrize("per_prefill_s", [0.0, 4e-3])
-def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s):
+@pytest.mark.parametrize("per_prefill_s, prefill_times", [(0.0, True), (4e-3, True), (4e-3, False)])
+def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, prefill_times):
     known = dataclasses.replace(KNOWN, per_prefill_overhead_s=per_prefill_s)
     config = EngineConfig(max_model_len=4096).resolve(model_preset(MODEL), device_preset(DEVICE))
     plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
-    runs = virtual_runs(plan, known, 2e-3, 5e-3, config)
+    runs = virtual_runs(plan, known, 2e-3, 5e-3, config, prefill_times)
     shapes, observations = step_shapes(runs, model_preset(MODEL), device_preset(DEVICE), config)
     assert {o.kind for o in observations} == {"overhead", "prefill", "decode", "context", "prefix", "loaded"}
+    # The server's prefill times: one per single-request TTFT probe, with no client overhead.
+    timed = [o for o in observations if o.measure == PREFILL_TIME]
+    assert len(timed) == (sum(TTFT in p.measures and p.batch == 1 and not p.background for p in plan.probes)
+                          if prefill_times else 0)
+    assert all(o.client is None for o in timed)
     result = fit_coefficients(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
     assert close(result.coefficients, known, 0.01) == {}
     # The per-prefill overhead is freed only where the timings ask for it.

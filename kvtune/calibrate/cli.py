@@ -186,7 +186,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
 
     def each(i, n, run):
         if progress:
-            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.probe.measures)
+            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.measures)
             progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
 
     runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)

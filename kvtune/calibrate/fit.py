@@ -3,7 +3,9 @@
 Each observed timing is a weighted sum of engine steps: a TTFT is the steps from
 the request's arrival to its first token (for a loaded probe, half the step it
 lands in, then its own) plus the client overhead (one value for an idle server,
-one for a busy one); an ITL is the mean of the steps in its window. Which steps,
+one for a busy one); the server's own prefill time (where it exports one) is the
+same steps without the client overhead; an ITL is the mean of the steps in its
+window. Which steps,
 and their shapes (tokens, sequences, context, attention pairs), come from
 replaying the probe's own prompts through kvengine's scheduler and KV cache
 manager with the server's config; the replay follows the live run's order of
@@ -28,7 +30,7 @@ from kvengine.executor import SimExecutor
 from kvengine.request import SamplingParams
 from scipy.optimize import least_squares
 
-from .probes import ITL, TTFT, CalibrationError, ProbeRun
+from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s", "per_prefill_overhead_s")
@@ -102,8 +104,8 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
         replay = _replay_loaded if run.probe.background else _replay
         steps, windows = replay(run, model, device, cfg)
         index = np.array([table.setdefault(s, len(table)) for s in steps], dtype=int)
-        for measure in run.probe.measures:
-            chosen, weights = windows[measure]
+        for measure in run.measures:
+            chosen, weights = windows[TTFT if measure == PREFILL_TIME else measure]
             if not len(chosen):
                 raise CalibrationError(f"probe {run.probe.label!r}: no steps to measure its {measure} "
                                        "(too few output tokens)")

@@ -22,6 +22,12 @@ terms of the cost model, alone on an idle server:
             decodes), plus the client overhead of a busy server; the batch's
             typical gap is a decode step over uneven contexts.
 
+Where the server exports vLLM's `vllm:request_prefill_time_seconds` (first
+scheduled to first token, timed by the engine core), each isolated single-request
+TTFT probe also reads it, from /metrics before and after the request: the same
+steps without the client overhead, which tells an engine's per-prefill cost apart
+from the HTTP path's (in a TTFT alone they only ever add up).
+
 Every prompt is fresh random token ids (except the shared prefixes), so no
 probe hits another's cached blocks. Requests look like the load generator's
 (streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
@@ -41,6 +47,7 @@ from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
+PREFILL_TIME = "prefill_time"  # the server's own: first scheduled to first token
 LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
 LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
 PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
@@ -238,6 +245,9 @@ class TrialRun:
     background: list[list[int]] = field(default_factory=list)
     background_requests: list[RequestTiming] = field(default_factory=list)
     sent_at_tokens: list[int] = field(default_factory=list)
+    # The server's mean vllm:request_prefill_time_seconds over the measured requests
+    # (None: not exported, or other requests finished meanwhile).
+    prefill_time_s: float | None = None
 
 
 @dataclass
@@ -263,6 +273,12 @@ class ProbeRun:
             gaps.extend(np.diff(window).tolist())
         return gaps
 
+    @property
+    def measures(self) -> tuple[str, ...]:
+        """The probe's measures, and the server's prefill time where every trial read it."""
+        timed = not self.probe.background and all(t.prefill_time_s is not None for t in self.trials)
+        return (*self.probe.measures, *((PREFILL_TIME,) if timed else ()))
+
     def measured(self, measure: str) -> float:
         """An observable in seconds: the median TTFT of the trials' first requests, or
         the median over trials of the steady inter-token gap (see `steady_itl`); for a
@@ -275,6 +291,8 @@ class ProbeRun:
             return float(np.mean(self.loaded_gaps()))
         if measure == TTFT:
             return float(np.median([t.requests[0].ttft for t in self.trials]))
+        if measure == PREFILL_TIME:
+            return float(np.median([t.prefill_time_s for t in self.trials]))
         return float(np.median([steady_itl([r.token_times for r in t.requests]) for t in self.trials]))
 
     def spread(self, measure: str) -> float:
@@ -287,6 +305,8 @@ class ProbeRun:
             return float(np.std(values) / np.sqrt(len(values))) if len(values) > 1 else 0.0  # of a mean
         if measure == TTFT:
             values = [t.requests[0].ttft for t in self.trials]
+        elif measure == PREFILL_TIME:
+            values = [t.prefill_time_s for t in self.trials]
         else:
             values = [g for t in self.trials for g in steady_gaps([r.token_times for r in t.requests])]
         if len(values) < 2:
@@ -396,10 +416,29 @@ def _failure(url: str, probe: Probe, err: Exception, check_alive) -> str:
 async def _trial(client, model_name, probe: Probe, warm, prompts, options) -> TrialRun:
     if warm is not None:
         await _request(client, model_name, warm, 1)
-        await asyncio.sleep(options.settle_s)
+    timed = TTFT in probe.measures and len(prompts) == 1
+    before = await _prefill_times(client) if timed else None
+    await asyncio.sleep(options.settle_s)
     timings = await asyncio.gather(*(_request(client, model_name, p, probe.max_tokens) for p in prompts))
     await asyncio.sleep(options.settle_s)
-    return TrialRun(warm, prompts, list(timings))
+    trial = TrialRun(warm, prompts, list(timings))
+    if before is not None:
+        after = await _prefill_times(client)
+        if after is not None and after[1] - before[1] == len(prompts):
+            trial.prefill_time_s = (after[0] - before[0]) / len(prompts)
+    return trial
+
+
+async def _prefill_times(client) -> tuple[float, float] | None:
+    """(sum, count) of the server's vllm:request_prefill_time_seconds; None where it has none."""
+    try:
+        resp = await client.get("/metrics")
+    except httpx.HTTPError:
+        return None  # a server without /metrics still calibrates on its TTFTs
+    if resp.status_code != 200:
+        return None
+    hist = parse_exposition(resp.text).histograms.get("prefill")
+    return (hist.sum, hist.count) if hist is not None else None
 
 
 async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> TrialRun:
