@@ -124,9 +124,10 @@ def virtual_loaded_trial(engine, probe, rng, busy_s):
                     sent_at)
 
 
-@pytest.mark.parametrize("per_prefill_s, prefill_times", [(0.0, True), (4e-3, True), (4e-3, False)])
-def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, prefill_times):
-    known = dataclasses.replace(KNOWN, per_prefill_overhead_s=per_prefill_s)
+@pytest.mark.parametrize("per_prefill_s, busy_arrival_s, prefill_times",
+                         [(0.0, 0.0, True), (4e-3, 0.0, True), (4e-3, 0.0, False), (0.0, 3e-3, True)])
+def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, busy_arrival_s, prefill_times):
+    known = dataclasses.replace(KNOWN, per_prefill_overhead_s=per_prefill_s, busy_arrival_overhead_s=busy_arrival_s)
     config = EngineConfig(max_model_len=4096).resolve(model_preset(MODEL), device_preset(DEVICE))
     plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
     runs = virtual_runs(plan, known, 2e-3, 5e-3, config, prefill_times)
@@ -139,11 +140,9 @@ def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, prefill_tim
     assert all(o.client is None for o in timed)
     result = fit_coefficients(shapes, observations, model_preset(MODEL), device_preset(DEVICE), "auto", 16)
     assert close(result.coefficients, known, 0.01) == {}
-    # The per-prefill overhead is freed only where the timings ask for it.
-    if per_prefill_s:
-        assert result.coefficients.per_prefill_overhead_s == pytest.approx(per_prefill_s, rel=0.01)
-    else:
-        assert result.coefficients.per_prefill_overhead_s == 0.0
+    # The server's own prefill times or the loaded probes tell these apart from the client overhead.
+    for name, value in (("per_prefill_overhead_s", per_prefill_s), ("busy_arrival_overhead_s", busy_arrival_s)):
+        assert getattr(result.coefficients, name) == pytest.approx(value, rel=0.01, abs=2e-5), name
     assert result.client_overhead_s == pytest.approx(2e-3, rel=0.02)
     assert result.client_overhead_busy_s == pytest.approx(5e-3, rel=0.02)
     residuals = result.residuals()

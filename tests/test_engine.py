@@ -112,3 +112,18 @@ def test_fp8_and_block_size_move_the_step_time_the_right_way():
     assert small == pytest.approx(weights_time + 1.5e-3 + 1e-5, rel=0.01)
     prefill = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(8192, 1, 8192, 8192 * 8192)
     assert prefill > 10 * small  # a long prefill is compute-bound
+
+
+def test_an_arrival_costs_a_busy_step_its_frontend_overhead_and_an_idle_one_nothing():
+    coeffs = CostCoefficients(busy_arrival_overhead_s=0.01)
+    e = LLMEngine(EngineConfig(), MODEL, DEVICE, cost_coefficients=coeffs)
+    a = e.add_request("a", list(range(1000, 1100)), SamplingParams(max_tokens=4, ignore_eos=True))
+    e.step()  # a alone on an idle engine
+    assert a.first_token_time == pytest.approx(e.cost.step_time(100, 1, 100, 100 * 101 // 2, 1, 1))
+    b = e.add_request("b", list(range(2000, 2050)), SamplingParams(max_tokens=1, ignore_eos=True))
+    before = e.clock.now
+    e.step()  # b admitted beside a's decode
+    pairs = 101 + 50 * 51 // 2
+    assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 1))
+    assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 0) + 0.01)
+    assert b.first_token_time == e.clock.now

@@ -32,6 +32,11 @@ class CostCoefficients:
     # per request with a prefill chunk in the step: attention launched per sequence (a CPU's
     # sdpa per chunk and layer); 0 for varlen kernels that take every chunk in one launch
     per_prefill_overhead_s: float = 0.0
+    # per request admitted into a step that runs others too: the frontend taking it in
+    # (HTTP, parsing, tokenizing) competes with a busy engine for the CPU (and the GIL where
+    # they share a process); on an idle engine it is the client's wait instead. ~0 where the
+    # frontend has cores of its own (vLLM's API server process beside a GPU's engine core).
+    busy_arrival_overhead_s: float = 0.0
     block_overhead_tokens: float = 2.0  # K/V read efficiency = bs / (bs + this)
     # Share of HBM bandwidth the paged K/V reads reach, when it differs from the weights'
     # (gathers through block tables, padded batches); None: memory_efficiency.
@@ -71,6 +76,7 @@ class StepCost:
     step_overhead_s: float
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
+    busy_arrival_overhead_s: float
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -98,16 +104,18 @@ class StepCost:
             step_overhead_s=c.step_overhead_s,
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
+            busy_arrival_overhead_s=c.busy_arrival_overhead_s,
         )
 
     def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
                   attention_token_pairs: int, num_samples: int | None = None,
-                  num_prefills: int = 0) -> float:
+                  num_prefills: int = 0, num_busy_arrivals: int = 0) -> float:
         """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
         requests whose contexts (after the step) sum to `context_tokens`;
         `attention_token_pairs` the causal (query, key) pairs (scheduler.causal_pairs);
         `num_samples` the requests that sample a token (default: all of them);
-        `num_prefills` the requests computing a prefill chunk (more than one token)."""
+        `num_prefills` the requests computing a prefill chunk (more than one token);
+        `num_busy_arrivals` the requests admitted into a step beside running ones."""
         if num_tokens == 0:
             return 0.0
         samples = num_seqs if num_samples is None else num_samples
@@ -116,4 +124,4 @@ class StepCost:
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
                    + attention_token_pairs * self.attention_flops_per_pair / self.attention_flops_per_s)
         return (max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
-                + num_prefills * self.per_prefill_overhead_s)
+                + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)

@@ -205,7 +205,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
         probe_wall_s=round(probe_wall, 2),
-        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.nested})
+        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.kv_split})
 
 
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
@@ -232,14 +232,8 @@ def format_profile(profile: CalibrationProfile) -> str:
     lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
              + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
              f"in {profile.probe_wall_s:.0f} s of probes",
-             f"  memory_efficiency     {c.memory_efficiency:10.4g}",
-             f"  compute_efficiency    {c.compute_efficiency:10.4g}",
-             f"  attention_efficiency  {c.attention_efficiency:10.4g}",
-             "  kv_memory_efficiency  " + (f"{c.kv_memory_efficiency:10.4g}" if c.kv_memory_efficiency is not None
-                                            else "    (= memory_efficiency)"),
-             f"  step_overhead_s       {c.step_overhead_s:10.4g}",
-             f"  per_seq_overhead_s    {c.per_seq_overhead_s:10.4g}",
-             f"  per_prefill_overhead_s{c.per_prefill_overhead_s:10.4g}",
+             *(f"  {name:<24}{value:10.4g}" if value is not None else f"  {name:<24}    (= memory_efficiency)"
+               for name, value in c.to_dict().items() if name != "block_overhead_tokens"),
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]

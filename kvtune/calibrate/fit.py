@@ -33,16 +33,17 @@ from scipy.optimize import least_squares
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
-          "per_seq_overhead_s", "per_prefill_overhead_s")
+          "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
 KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit`)
 CLIENT = "client_overhead_s"  # on a request reaching an idle server
 CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
-PREFILL = "per_prefill_overhead_s"  # fitted only where the data ask for it (see `fit_coefficients`)
+BUSY_ARRIVAL = "busy_arrival_overhead_s"  # fitted where the server reports its prefill times
 # Bounds of each fitted value (the efficiencies are shares of the device preset's
 # peak; a CPU preset is a rough guess, so they may land far from 1).
 BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
           "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), "step_overhead_s": (1e-7, 10.0),
           "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0),
+          "busy_arrival_overhead_s": (1e-10, 1.0),
           CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
 
 
@@ -112,7 +113,7 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
             client = ("busy" if run.probe.background else "idle") if measure == TTFT else None
             observations.append(Observation(run.probe.kind, run.probe.label, measure, run.measured(measure),
                                             index[chosen], weights, client, run.spread(measure)))
-    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 6)
+    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 7)
     return shapes, observations
 
 
@@ -211,7 +212,7 @@ class FitResult:
     nfev: int
     message: str
     initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
-    nested: dict = field(default_factory=dict)  # the costs without and with each nested coefficient
+    kv_split: dict = field(default_factory=dict)  # the costs with K/V bandwidth shared and apart
 
     def residuals(self) -> dict:
         return residual_summary(self.observations)
@@ -239,7 +240,7 @@ def _kind_order(kind: str) -> int:
 def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
                      kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
                      fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
-                     nested_gain: float = 0.85) -> FitResult:
+                     kv_split_gain: float = 0.85) -> FitResult:
     """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
     relative errors of the predicted timings; `base` supplies the fixed coefficients
     (block_overhead_tokens) and the first start.
@@ -249,10 +250,9 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     a steady ITL, while the cost model's own misfit (beyond the floor) weighs the same
     everywhere.
 
-    Two coefficients are nested models, each kept only when freeing it cuts the cost
-    below `nested_gain` of the fit without it: the per-prefill overhead (0, the base's
-    value, until then), and the K/V reads' bandwidth share (kv_memory_efficiency), which
-    first shares the weights' (a CPU's gathers are much slower (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
+    The K/V reads' bandwidth share (kv_memory_efficiency) first shares the weights'; it
+    is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
+    fit's (a CPU's gathers are much slower (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
     free extra coefficient would only trade the weights' read time against the step
     overhead, so the split fit keeps the shared fit's weight bandwidth)."""
     base = base or CostCoefficients()
@@ -292,37 +292,28 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
                 best = sol
         return best, *unpack(best.x)
 
-    # Nested models, each kept only where it cuts the cost enough. The per-prefill overhead
-    # first: in an isolated TTFT it adds to the client overhead and only multi-chunk
-    # prefills and loaded probes tell them apart, so where the server has none, freeing it
-    # trades noise against the efficiencies.
-    names = [n for n in (*FITTED, *clients) if n != PREFILL]
+    # Without the server's own prefill times, an isolated TTFT only gives per-prefill +
+    # client overhead, and a busy arrival's overhead would slide along that line with them.
+    timed = any(o.measure == PREFILL_TIME for o in obs)
+    names = [n for n in (*FITTED, *clients) if timed or n != BUSY_ARRIVAL]
     best, coeffs, client, busy = solve(names, _starts(base, obs))
-    lean = {**coeffs.to_dict(), CLIENT: client, CLIENT_BUSY: busy}
-    shortest = float(np.min(measured))
-    prefill = solve([*names, PREFILL], [{**lean, PREFILL: shortest * f} for f in (0.1, 0.01, 0.001)])
-    choice = {"lean_cost": float(best.cost), "prefill_cost": float(prefill[0].cost)}
-    if prefill[0].cost < nested_gain * best.cost:
-        names = [*names, PREFILL]
-        best, coeffs, client, busy = prefill
     shared = {**coeffs.to_dict(), CLIENT: client, CLIENT_BUSY: busy}
     # The split keeps the weights' bandwidth share of the shared fit: on memory-bound steps
     # the weights' read time and the step overhead are one constant, and freed together they
     # slide along that valley wherever the timings are noisy.
-    chosen = dataclasses.replace(tied, per_prefill_overhead_s=coeffs.per_prefill_overhead_s)
-    weights_fixed = dataclasses.replace(chosen, memory_efficiency=coeffs.memory_efficiency)
+    weights_fixed = dataclasses.replace(tied, memory_efficiency=coeffs.memory_efficiency)
     split = solve([n for n in names if n != "memory_efficiency"] + [KV],
                   [{**shared, KV: coeffs.memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)],
                   weights_fixed)
-    if split[0].cost < nested_gain * best.cost:
+    if split[0].cost < kv_split_gain * best.cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
         found = {**split[1].to_dict(), CLIENT: split[2], CLIENT_BUSY: split[3]}
-        retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found], chosen)
+        retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
         if retry[0].cost < best.cost:
             best, coeffs, client, busy = retry
-    choice.update(shared_cost=float(best.cost), split_cost=float(split[0].cost))
-    if split[0].cost < nested_gain * best.cost:
+    choice = {"shared_cost": float(best.cost), "split_cost": float(split[0].cost)}
+    if split[0].cost < kv_split_gain * best.cost:
         best, coeffs, client, busy = split
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
     for o, p in zip(obs, predict(obs, times, client, busy)):
@@ -339,10 +330,13 @@ def _starts(base: CostCoefficients, obs: list[Observation]):
     itl = [o.measured_s for o in obs if o.measure == ITL] or [o.measured_s for o in obs]
     shortest = min(itl)
     client = 0.1 * min(o.measured_s for o in obs)
-    first = {**base.to_dict(), CLIENT: client, CLIENT_BUSY: client}
+    first = {**base.to_dict(), CLIENT: client, CLIENT_BUSY: client,  # log-space: not 0
+             "per_prefill_overhead_s": base.per_prefill_overhead_s or 1e-3 * shortest,
+             "busy_arrival_overhead_s": base.busy_arrival_overhead_s or 1e-3 * shortest}
     yield first
     for scale in (10.0, 1.0, 0.1, 0.01, 0.001):
         yield {**first, "memory_efficiency": base.memory_efficiency * scale,
                "compute_efficiency": base.compute_efficiency * scale,
                "attention_efficiency": base.attention_efficiency * scale,
-               "step_overhead_s": 0.3 * shortest, "per_seq_overhead_s": 0.01 * shortest}
+               "step_overhead_s": 0.3 * shortest, "per_seq_overhead_s": 0.01 * shortest,
+               "per_prefill_overhead_s": 0.01 * shortest, "busy_arrival_overhead_s": 0.01 * shortest}

@@ -70,7 +70,8 @@ class CalibrationProfile:
                 + (f"kv_memory_efficiency {c.kv_memory_efficiency:.4g}, " if c.kv_memory_efficiency is not None else "")
                 + f"step_overhead {c.step_overhead_s * 1e3:.3g} ms, "
                 f"per_seq_overhead {c.per_seq_overhead_s * 1e6:.3g} us, "
-                f"per_prefill_overhead {c.per_prefill_overhead_s * 1e6:.3g} us")
+                f"per_prefill_overhead {c.per_prefill_overhead_s * 1e6:.3g} us, "
+                f"busy_arrival_overhead {c.busy_arrival_overhead_s * 1e6:.3g} us")
 
 
 def _open(db: str | Store | None) -> tuple[Store, bool]:
