@@ -50,8 +50,10 @@ class SimExecutor:
 def step_shape(out: SchedulerOutput, sampled: list[int | None]) -> tuple[int, ...]:
     """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
     attention pairs, sampled tokens, prefill chunks (requests computing more than one token),
-    requests admitted beside running ones."""
+    requests arriving beside running ones (admitted for the first time, not resumed)."""
+    admitted = out.scheduled[len(out.scheduled) - out.num_new_reqs:]
     busy = len(out.scheduled) > out.num_new_reqs
     return (out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
             sum(1 for token in sampled if token is not None),
-            sum(1 for n in out.num_new_tokens if n > 1), out.num_new_reqs if busy else 0)
+            sum(1 for n in out.num_new_tokens if n > 1),
+            sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0)
