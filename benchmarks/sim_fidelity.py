@@ -35,7 +35,6 @@ from kvengine.config import EngineConfig, model_preset
 from kvengine.torch_executor import torch_device_spec
 
 from kvtune.calibrate import calibrate_url, format_profile
-from kvtune.calibrate.profile import with_client_overhead
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
 from kvtune.targets.live import run_live
 from kvtune.targets.process import ManagedServer, free_port
@@ -111,9 +110,8 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
             live = run_live(server.url, workload, "engine", "tiny", config, options, check_alive=server.check_alive)
-            calibrated = with_client_overhead(
-                SimTarget(model, device, profile.coefficients).run(config, workload), profile.client_overhead_s,
-                profile.client_overhead_busy_s)
+            calibrated = SimTarget(model, device, profile.coefficients, profile.client_overhead_s,
+                                   profile.client_overhead_busy_s).run(config, workload)
             roofline = SimTarget(model, device).run(config, workload)
             rows.append((name, len(workload), live.summary, calibrated.summary, roofline.summary))
             print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live run "

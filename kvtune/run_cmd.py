@@ -81,7 +81,8 @@ def build_target(args):
         if args.profile:
             profile = get_profile(args.db, args.profile)
             model, dev = profile.specs()
-            return SimTarget(model, dev, profile.coefficients), profile.model, profile.device
+            return (SimTarget(model, dev, profile.coefficients, profile.client_overhead_s,
+                              profile.client_overhead_busy_s), profile.model, profile.device)
         return SimTarget(model_preset(preset), device_preset(device)), preset, device
     if args.target == "engine":
         if args.executor == "sim":

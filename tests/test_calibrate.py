@@ -40,7 +40,6 @@ from kvtune.calibrate.probes import (
     probe_prompts,
     steady_itl,
 )
-from kvtune.calibrate.profile import with_client_overhead
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.targets.process import ManagedServer, free_port
@@ -285,16 +284,6 @@ def test_profile_round_trips_through_the_store(tmp_path):
 def test_an_empty_store_says_how_to_make_a_profile(tmp_path):
     with pytest.raises(ProfileNotFoundError, match="kvtune calibrate"):
         load_cost_profile(f"sqlite:///{tmp_path}/empty.db", "nope")
-
-
-def test_client_overhead_moves_ttft_and_e2e_only():
-    workload = synthesize(SynthSpec(num_requests=6, rate=50.0, input_len=parse_dist("64"),
-                                    output_len=parse_dist("8"), seed=2))
-    result = SimTarget(model_preset(MODEL), device_preset(DEVICE)).run(EngineConfig(), workload)
-    later = with_client_overhead(result, 0.005)
-    assert later.summary["ttft_p50"] == pytest.approx(result.summary["ttft_p50"] + 0.005)
-    assert later.summary["tpot_p50"] == pytest.approx(result.summary["tpot_p50"])
-    assert later.summary["e2e_p50"] == pytest.approx(result.summary["e2e_p50"] + 0.005)
 
 
 def test_run_and_search_use_a_stored_profile(tmp_path):

@@ -116,3 +116,28 @@ def test_help_on_every_command():
     for cmd in ([], ["run"], ["trace"], ["trace", "stats"], ["trace", "convert"], ["trace", "synth"]):
         p = kvtune(*cmd, "--help")
         assert p.returncode == 0 and "usage: kvtune" in p.stdout, cmd
+
+
+def test_a_frontend_overhead_on_an_idle_server_moves_ttft_and_e2e_only():
+    requests = [TraceRequest(float(i), 64, 8) for i in range(4)]  # a second apart: each alone
+    bare = run(requests)
+    fronted = SimTarget(MODEL, DEVICE, None, 0.005, 0.002).run(EngineConfig(), Workload(requests, 512))
+    for a, b in zip(bare.requests, fronted.requests):
+        assert b.arrival_s == a.arrival_s
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.005) and b.e2e_s == pytest.approx(a.e2e_s + 0.005)
+        assert b.itl_s == pytest.approx(a.itl_s)
+
+
+def test_a_burst_enters_the_engine_one_request_at_a_time():
+    requests = [TraceRequest(0.0, 64, 8) for _ in range(4)]
+    bare = run(requests)
+    assert bare.series["num_seqs"][0] == 4  # all four in the first step
+    fronted = SimTarget(MODEL, DEVICE, None, 0.002, 0.003).run(EngineConfig(), Workload(requests, 512))
+    # Taken in at 2, 5, 8, 11 ms (the first finds the server idle, the rest others in flight):
+    # the first step (2 ms in) runs the first request alone.
+    assert fronted.series["num_seqs"][0] == 1
+    ttfts = [r.ttft_s for r in fronted.requests]
+    alone = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(64, 1, 64, 64 * 65 // 2, 1, 1)
+    assert ttfts == sorted(ttfts) and ttfts[0] == pytest.approx(0.002 + alone)
+    assert all(r.arrival_s == 0.0 for r in fronted.requests)
+    assert ttfts[-1] > 0.011  # at least its wait to be taken in

@@ -118,35 +118,3 @@ def load_cost_profile(db_url: str | None, name: str) -> CostCoefficients:
     """The named profile's coefficients, for `--target sim --profile NAME` (pair them
     with `get_profile(...).specs()`: they hold for that model and device only)."""
     return get_profile(db_url, name).coefficients
-
-
-def with_client_overhead(result, overhead_s: float, busy_s: float | None = None):
-    """A sim RunResult as a client would see it: every answered request's TTFT and E2E
-    later by the client overhead the profile measured (HTTP and the server's frontend,
-    which the engine core does not model): `busy_s` for a request that arrives while
-    others are in flight, `overhead_s` for one that finds the server idle. The frontend
-    takes requests one at a time (one event loop), so a request that arrives while an
-    earlier one is still being taken in waits for it first. ITL and TPOT unchanged."""
-    import dataclasses as dc
-
-    import numpy as np
-
-    from ..results import summarize
-    busy_s = overhead_s if busy_s is None else busy_s
-    if not overhead_s and not busy_s:
-        return result
-    ok = sorted((r for r in result.requests if r.ok and r.e2e_s is not None), key=lambda r: r.arrival_s)
-    starts = np.array([r.arrival_s for r in ok])
-    ends = np.sort([r.arrival_s + r.e2e_s for r in ok])
-    extra: dict[str, float] = {}
-    free = -np.inf  # when the frontend is next free
-    for r in ok:
-        # others in flight at r's arrival: arrived strictly before it, not yet done
-        in_flight = np.searchsorted(starts, r.arrival_s, "left") - np.searchsorted(ends, r.arrival_s, "right")
-        free = max(r.arrival_s, free) + (busy_s if in_flight > 0 else overhead_s)
-        extra[r.request_id] = free - r.arrival_s
-    requests = [dc.replace(r, ttft_s=r.ttft_s + extra[r.request_id], e2e_s=r.e2e_s + extra[r.request_id])
-                if r.request_id in extra else r for r in result.requests]
-    out = dc.replace(result, requests=requests, duration_s=result.duration_s + max(overhead_s, busy_s))
-    out.summary = summarize(out)
-    return out

@@ -93,13 +93,14 @@ def cmd_search(args) -> int:
     optional = tuple(name for name, on in (("max_num_batched_tokens", args.search_batched_tokens),
                                            ("enable_prefix_caching", args.search_prefix_caching)) if on)
     space = load_space(args.space_file, args.space, optional)
-    coefficients = None
     if args.profile:
         profile = get_profile(args.db, args.profile)
-        (model, device), coefficients = profile.specs(), profile.coefficients
+        model, device = profile.specs()
+        sim = SimTarget(model, device, profile.coefficients, profile.client_overhead_s, profile.client_overhead_busy_s)
         args.preset, args.device = profile.model, profile.device
     else:
         model, device = model_preset(args.preset), device_preset(args.device)
+        sim = SimTarget(model, device)
     base = EngineConfig(max_model_len=args.max_model_len)
     default = base.resolve(model, device)
     workload = read_workload(args.workload, format=args.format)
@@ -110,7 +111,6 @@ def cmd_search(args) -> int:
              "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
              "latency": args.latency}
     study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
-    sim = SimTarget(model, device, coefficients)
     stage1 = Stage1(study, space, base, objective, sim.run, workload, store, args.trials)
     dflt = default_params(space, default)
     if representable(space, dflt):

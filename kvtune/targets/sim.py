@@ -1,10 +1,20 @@
 """`SimTarget` replays the workload through kvengine's engine core with the
 simulated executor in virtual time: the same scheduler and KV cache manager as
 the live engine, no model, step times from the roofline cost model.
+
+With a calibrated profile's client overhead it also models the server's frontend
+(HTTP, parsing, tokenizing): one event loop takes requests in one at a time, each
+reaching the engine core once taken in, so a burst enters the engine staggered,
+as it does on a live server, not in one step. The overhead is the profile's idle
+value for a request that finds nothing in flight, its busy value otherwise (from
+a first replay without the frontend); latencies count from the frontend arrival.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+
+import numpy as np
 
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import CostCoefficients
@@ -22,21 +32,25 @@ class SimTarget:
     name = "sim"
 
     def __init__(self, model: ModelSpec, device: DeviceSpec,
-                 cost_coefficients: CostCoefficients | None = None):
+                 cost_coefficients: CostCoefficients | None = None,
+                 client_overhead_s: float = 0.0, client_overhead_busy_s: float | None = None):
         self.model = model
         self.device = device
         self.cost_coefficients = cost_coefficients
+        self.client_overhead_s = client_overhead_s
+        self.client_overhead_busy_s = client_overhead_s if client_overhead_busy_s is None else client_overhead_busy_s
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
         t0 = time.perf_counter()
-        try:
-            engine = LLMEngine(config, self.model, self.device,
-                               cost_coefficients=self.cost_coefficients)
-        except KVCacheMemoryError as err:
-            raise TargetStartError(str(err)) from err
-        rejected: dict[str, str] = {}
-        engine.replay(_arrivals(workload), on_reject=lambda rid, err: rejected.setdefault(rid, str(err)))
-        records = [_record(req) for req in engine.finished]
+        arrivals = [r.arrival_s for r in workload.requests]
+        engine, rejected = self._replay(config, workload, arrivals)
+        if self.client_overhead_s or self.client_overhead_busy_s:
+            taken_in = self._frontend(arrivals, [_record(req) for req in engine.finished])
+            engine, rejected = self._replay(config, workload, taken_in)
+            delay = {str(i): t - a for i, (t, a) in enumerate(zip(taken_in, arrivals))}
+        else:
+            delay = {}
+        records = [_from_frontend(_record(req), delay.get(req.request_id, 0.0)) for req in engine.finished]
         records += [RequestRecord(rid, workload.requests[int(rid)].arrival_s,
                                   workload.requests[int(rid)].input_length,
                                   finish_reason="rejected", error=msg)
@@ -52,11 +66,41 @@ class SimTarget:
         result.summary = summarize(result)
         return result
 
+    def _replay(self, config: EngineConfig, workload: Workload, times: list[float]):
+        """The engine after replaying the workload with request i reaching it at times[i]."""
+        try:
+            engine = LLMEngine(config, self.model, self.device, cost_coefficients=self.cost_coefficients)
+        except KVCacheMemoryError as err:
+            raise TargetStartError(str(err)) from err
+        rejected: dict[str, str] = {}
+        engine.replay(_arrivals(workload, times), on_reject=lambda rid, err: rejected.setdefault(rid, str(err)))
+        return engine, rejected
 
-def _arrivals(workload: Workload):
+    def _frontend(self, arrivals: list[float], done: list[RequestRecord]) -> list[float]:
+        """When each request is taken in by a frontend serving them in arrival order, busy
+        for a request with others in flight (arrived before it, not yet answered)."""
+        ends = np.sort([r.arrival_s + r.e2e_s for r in done if r.e2e_s is not None])
+        taken_in, free = [], -np.inf
+        for i, t in enumerate(arrivals):
+            in_flight = i - np.searchsorted(ends, t, "right")
+            free = max(t, free) + (self.client_overhead_busy_s if in_flight > 0 else self.client_overhead_s)
+            taken_in.append(float(free))
+        return taken_in
+
+
+def _arrivals(workload: Workload, times: list[float]):
     prompts = workload_prompt_token_ids(workload)
-    for i, (req, prompt) in enumerate(zip(workload.requests, prompts)):
-        yield req.arrival_s, str(i), prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)
+    for i, (req, t, prompt) in enumerate(zip(workload.requests, times, prompts)):
+        yield t, str(i), prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)
+
+
+def _from_frontend(record: RequestRecord, delay_s: float) -> RequestRecord:
+    """A record timed from the engine's arrival, timed from the frontend's instead."""
+    if not delay_s:
+        return record
+    shift = lambda v: None if v is None else v + delay_s  # noqa: E731
+    return dataclasses.replace(record, arrival_s=record.arrival_s - delay_s, ttft_s=shift(record.ttft_s),
+                               e2e_s=shift(record.e2e_s))
 
 
 def _record(req: Request) -> RequestRecord:
