@@ -34,7 +34,7 @@ from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
-KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit`)
+KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit_coefficients`)
 CLIENT = "client_overhead_s"  # on a request reaching an idle server
 CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
 BUSY_ARRIVAL = "busy_arrival_overhead_s"  # fitted where the server reports its prefill times
@@ -252,7 +252,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
 
     The K/V reads' bandwidth share (kv_memory_efficiency) first shares the weights'; it
     is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
-    fit's (a CPU's gathers are much slower (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
+    fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
     free extra coefficient would only trade the weights' read time against the step
     overhead, so the split fit keeps the shared fit's weight bandwidth)."""
     base = base or CostCoefficients()

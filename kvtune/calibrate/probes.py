@@ -279,6 +279,12 @@ class ProbeRun:
         timed = not self.probe.background and all(t.prefill_time_s is not None for t in self.trials)
         return (*self.probe.measures, *((PREFILL_TIME,) if timed else ()))
 
+    def _per_trial(self, measure: str) -> list[float]:
+        """An isolated probe's TTFT or server prefill time, one per trial (its first request)."""
+        if measure == TTFT:
+            return [t.requests[0].ttft for t in self.trials]
+        return [t.prefill_time_s for t in self.trials]
+
     def measured(self, measure: str) -> float:
         """An observable in seconds: the median TTFT of the trials' first requests, or
         the median over trials of the steady inter-token gap (see `steady_itl`); for a
@@ -289,10 +295,8 @@ class ProbeRun:
                 requests = self.trials[0].requests
                 return float(np.mean([requests[i].ttft for i in self.loaded_selection()]))
             return float(np.mean(self.loaded_gaps()))
-        if measure == TTFT:
-            return float(np.median([t.requests[0].ttft for t in self.trials]))
-        if measure == PREFILL_TIME:
-            return float(np.median([t.prefill_time_s for t in self.trials]))
+        if measure in (TTFT, PREFILL_TIME):
+            return float(np.median(self._per_trial(measure)))
         return float(np.median([steady_itl([r.token_times for r in t.requests]) for t in self.trials]))
 
     def spread(self, measure: str) -> float:
@@ -303,10 +307,8 @@ class ProbeRun:
             values = ([self.trials[0].requests[i].ttft for i in self.loaded_selection()] if measure == TTFT
                       else self.loaded_gaps())
             return float(np.std(values) / np.sqrt(len(values))) if len(values) > 1 else 0.0  # of a mean
-        if measure == TTFT:
-            values = [t.requests[0].ttft for t in self.trials]
-        elif measure == PREFILL_TIME:
-            values = [t.prefill_time_s for t in self.trials]
+        if measure in (TTFT, PREFILL_TIME):
+            values = self._per_trial(measure)
         else:
             values = [g for t in self.trials for g in steady_gaps([r.token_times for r in t.requests])]
         if len(values) < 2:
