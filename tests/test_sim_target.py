@@ -141,3 +141,12 @@ def test_a_burst_enters_the_engine_one_request_at_a_time():
     assert ttfts == sorted(ttfts) and ttfts[0] == pytest.approx(0.002 + alone)
     assert all(r.arrival_s == 0.0 for r in fronted.requests)
     assert ttfts[-1] > 0.011  # at least its wait to be taken in
+
+
+def test_a_rejected_request_is_not_left_in_flight_at_the_frontend():
+    requests = [TraceRequest(0.0, 20_000, 4), TraceRequest(1.0, 64, 8)]  # the first is over max_model_len
+    config = EngineConfig(max_model_len=4096)
+    bare = run(requests, config)
+    fronted = SimTarget(MODEL, DEVICE, None, 0.005, 0.002).run(config, Workload(requests, 512))
+    assert fronted.requests[0].finish_reason == "rejected"
+    assert fronted.requests[1].ttft_s == pytest.approx(bare.requests[1].ttft_s + 0.005)  # found it idle

@@ -45,7 +45,9 @@ class SimTarget:
         arrivals = [r.arrival_s for r in workload.requests]
         engine, rejected = self._replay(config, workload, arrivals)
         if self.client_overhead_s or self.client_overhead_busy_s:
-            taken_in = self._frontend(arrivals, [_record(req) for req in engine.finished])
+            # a rejected request leaves at once (a 400), an answered one with its last token
+            ends = [arrivals[int(rid)] for rid in rejected] + [req.finish_time for req in engine.finished]
+            taken_in = self._frontend(arrivals, ends)
             engine, rejected = self._replay(config, workload, taken_in)
             delay = {str(i): t - a for i, (t, a) in enumerate(zip(taken_in, arrivals))}
         else:
@@ -76,10 +78,10 @@ class SimTarget:
         engine.replay(_arrivals(workload, times), on_reject=lambda rid, err: rejected.setdefault(rid, str(err)))
         return engine, rejected
 
-    def _frontend(self, arrivals: list[float], done: list[RequestRecord]) -> list[float]:
+    def _frontend(self, arrivals: list[float], ends: list[float]) -> list[float]:
         """When each request is taken in by a frontend serving them in arrival order, busy
-        for a request with others in flight (arrived before it, not yet answered)."""
-        ends = np.sort([r.arrival_s + r.e2e_s for r in done if r.e2e_s is not None])
+        for a request with others in flight (arrived before it, not yet gone by `ends`)."""
+        ends = np.sort(ends)
         taken_in, free = [], -np.inf
         for i, t in enumerate(arrivals):
             in_flight = i - np.searchsorted(ends, t, "right")
@@ -96,11 +98,10 @@ def _arrivals(workload: Workload, times: list[float]):
 
 def _from_frontend(record: RequestRecord, delay_s: float) -> RequestRecord:
     """A record timed from the engine's arrival, timed from the frontend's instead."""
-    if not delay_s:
+    if not delay_s or record.ttft_s is None:
         return record
-    shift = lambda v: None if v is None else v + delay_s  # noqa: E731
-    return dataclasses.replace(record, arrival_s=record.arrival_s - delay_s, ttft_s=shift(record.ttft_s),
-                               e2e_s=shift(record.e2e_s))
+    return dataclasses.replace(record, arrival_s=record.arrival_s - delay_s, ttft_s=record.ttft_s + delay_s,
+                               e2e_s=record.e2e_s + delay_s)
 
 
 def _record(req: Request) -> RequestRecord:
