@@ -255,6 +255,44 @@ def test_an_unreachable_server_is_a_calibration_error():
         calibrate_url(url, MODEL, DEVICE, EngineConfig(), "x")
 
 
+
+def test_a_metrics_page_that_is_not_prometheus_text_is_read_as_no_metrics():
+    """A server (or a proxy in front of it) answering /metrics with HTML: the server's
+    defaults and no prefill times, not a traceback."""
+    import asyncio
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+    from kvtune.calibrate.probes import _prefill_times, server_info
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (b'{"data": [{"id": "m", "max_model_len": 2048}]}' if self.path == "/v1/models"
+                    else b"<html>login</html>")
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        info = server_info(url)
+        assert (info.model_name, info.max_model_len, info.num_gpu_blocks) == ("m", 2048, None)
+
+        async def read():
+            async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+                return await _prefill_times(client)
+        assert asyncio.run(read()) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ---------------------------------------------------------------- profiles in the store
 
 def test_profile_round_trips_through_the_store(tmp_path):

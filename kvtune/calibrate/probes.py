@@ -89,7 +89,7 @@ def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
     info = ServerInfo(url, entry["id"], int(entry.get("max_model_len") or 4096))
     try:
         labels = parse_exposition(fetch(metrics_url(url), timeout_s)).info
-    except ScrapeError:
+    except (ScrapeError, ValueError):  # no /metrics, or not Prometheus text there: the defaults
         labels = {}
     if labels.get("block_size", "").isdigit():
         info.block_size = int(labels["block_size"])
@@ -439,7 +439,10 @@ async def _prefill_times(client) -> tuple[float, float] | None:
         return None  # a server without /metrics still calibrates on its TTFTs
     if resp.status_code != 200:
         return None
-    hist = parse_exposition(resp.text).histograms.get("prefill")
+    try:
+        hist = parse_exposition(resp.text).histograms.get("prefill")
+    except ValueError:  # not Prometheus text (a proxy's page, say)
+        return None
     return (hist.sum, hist.count) if hist is not None else None
 
 
