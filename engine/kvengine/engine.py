@@ -12,7 +12,7 @@ from .contiguous import ContiguousKVCacheManager
 from .cost import CostCoefficients, StepCost
 from .executor import Executor, SimExecutor
 from .memory import MemoryPlan, plan_memory
-from .request import PromptTooLongError, Request, RequestStatus, SamplingParams
+from .request import Request, RequestStatus, SamplingParams, check_prompt
 from .scheduler import Scheduler
 
 
@@ -88,7 +88,7 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request; raises PromptTooLongError (vLLM's 400) if it cannot fit."""
         sp = sampling_params or SamplingParams()
-        self.check_prompt(len(prompt_token_ids))
+        check_prompt(len(prompt_token_ids), self.config.max_model_len)
         max_len = self.config.max_model_len
         n = len(prompt_token_ids)
         if sp.max_tokens < 1:
@@ -99,23 +99,6 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), sp, arrival, self.eos_token_id, cache_salt)
         self.scheduler.add_request(req)
         return req
-
-    def check_prompt(self, num_tokens: int) -> None:
-        """The input checks vLLM's frontend makes before a request reaches the engine."""
-        max_len = self.config.max_model_len
-        if num_tokens == 0:
-            raise ValueError("The decoder prompt cannot be empty")
-        if num_tokens > max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {num_tokens}) is longer than the maximum model length "
-                f"of {max_len}. Make sure that `max_model_len` is no smaller than the number "
-                "of text tokens.")
-        if num_tokens == max_len:
-            raise PromptTooLongError(
-                f"The decoder prompt (length {num_tokens}) plus the number of requested output "
-                f"tokens (at least 1) is longer than the maximum model length of {max_len}. Make "
-                "sure that `max_model_len` is no smaller than the number of text tokens (prompt + "
-                "requested output tokens).")
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> bool:
         """End a request early (a client went away, or a stop string matched)."""

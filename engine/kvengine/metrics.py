@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .request import FINISH_REASONS, Request
+from .outputs import CoreOutputs, EngineInfo, FinishedRequestStats, IterationStats, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -60,15 +60,14 @@ def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
 
 
 class EngineMetrics:
-    """Owns a registry; the engine loop calls `observe_step` after every step."""
+    """Owns a registry; the frontend records every CoreOutputs the engine core sends."""
 
-    def __init__(self, model_name: str, engine, engine_index: str = "0"):
+    def __init__(self, model_name: str, info: EngineInfo, engine_index: str = "0"):
         self.registry = CollectorRegistry()
-        self.engine = engine
         labels = {"model_name": model_name, "engine": engine_index}
         names = list(labels)
         reg = self.registry
-        max_len = engine.config.max_model_len
+        max_len = info.config.max_model_len
 
         def gauge(name, doc, extra=()):
             return Gauge(name, doc, names + list(extra), registry=reg, multiprocess_mode="mostrecent")
@@ -141,21 +140,21 @@ class EngineMetrics:
         self.prefill_kv_computed = histogram("vllm:request_prefill_kv_computed_tokens",
                                              "Histogram of new KV tokens computed during prefill "
                                              "(excluding cached tokens).", token_buckets)
-        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                     list(cache_config_labels(engine.config, 0)) + ["engine"], registry=reg,
+        config_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                     list(cache_config_labels(info.config, 0)) + ["engine"], registry=reg,
                      multiprocess_mode="mostrecent")
-        info.labels(**cache_config_labels(engine.config, engine.memory.num_gpu_blocks),
-                    engine=engine_index).set(1)
+        config_info.labels(**cache_config_labels(info.config, info.num_gpu_blocks),
+                           engine=engine_index).set(1)
 
         self.free_blocks = gauge("kvengine:num_free_blocks",
                                  "KV blocks not referenced by any request (cached ones included).").labels(**labels)
-        pool = getattr(engine.kv, "pool", None)
-        if pool is not None:  # read at scrape time; len() of a dict is safe across threads
-            gauge("kvengine:num_cached_blocks",
-                  "Distinct KV blocks the prefix cache can serve (in use or free).").labels(
-                **labels).set_function(lambda: len(pool.cached))
+        self.cached_blocks = None
+        if info.scheduler.num_cached_blocks is not None:  # the allocator has a prefix cache pool
+            self.cached_blocks = gauge("kvengine:num_cached_blocks",
+                                       "Distinct KV blocks the prefix cache can serve (in use or free).").labels(
+                **labels)
         gauge("kvengine:num_gpu_blocks", "KV blocks in the pool, the null block included.").labels(
-            **labels).set(engine.memory.num_gpu_blocks)
+            **labels).set(info.num_gpu_blocks)
         self.evictions = counter("kvengine:prefix_cache_evictions",
                                  "Cached KV blocks evicted to be reused.").labels(**labels)
         self.reserved_tokens = gauge("kvengine:kv_reserved_tokens",
@@ -163,71 +162,66 @@ class EngineMetrics:
                                      "reserves max_model_len each).").labels(**labels)
         self._seen_evictions = 0
         self._seen_prefix = (0, 0)
-        self.observe_step(None)
+        self._record_scheduler(info.scheduler)
 
-    # -- called from the engine thread -------------------------------------
-    def observe_step(self, step) -> None:
-        engine, kv = self.engine, self.engine.kv
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.waiting_capacity.set(len(sched.waiting))
-        self.kv_usage.set(kv.usage())
-        self.free_blocks.set(kv.num_free_blocks)
-        self.reserved_tokens.set((kv.num_usable_blocks - kv.num_free_blocks) * engine.config.block_size)
-        evictions = kv.num_evictions
-        if evictions > self._seen_evictions:
-            self.evictions.inc(evictions - self._seen_evictions)
-            self._seen_evictions = evictions
-        stats = kv.prefix_stats
+    # -- called from the frontend's reader thread ---------------------------------
+    def record(self, out: CoreOutputs) -> None:
+        if out.scheduler is not None:
+            self._record_scheduler(out.scheduler)
+        if out.iteration is not None:
+            self._record_iteration(out.iteration)
+        for finished in out.finished:
+            self._record_finished(finished)
+
+    def _record_scheduler(self, s: SchedulerStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.waiting_capacity.set(s.num_waiting)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.free_blocks.set(s.num_free_blocks)
+        self.reserved_tokens.set(s.reserved_tokens)
+        if self.cached_blocks is not None:
+            self.cached_blocks.set(s.num_cached_blocks)
+        if s.num_evictions > self._seen_evictions:
+            self.evictions.inc(s.num_evictions - self._seen_evictions)
+            self._seen_evictions = s.num_evictions
         queries, hits = self._seen_prefix
-        self.prefix_queries.inc(stats.queries - queries)
-        self.prefix_hits.inc(stats.hits - hits)
-        self._seen_prefix = (stats.queries, stats.hits)
-        if step is None:
-            return
-        if step.preempted:
-            self.preemptions.inc(len(step.preempted))
-        iteration = 0
-        for req, _ in step.new_tokens:
-            iteration += 1
-            if len(req.token_times) == 1:  # first token: the whole prompt counts now
-                iteration += req.num_prompt_tokens
-                self._observe_first_token(req)
-            else:
-                self.itl.observe(req.token_times[-1] - req.token_times[-2])
-        self.generation_tokens.inc(len(step.new_tokens))
-        self.iteration_tokens.observe(iteration)
+        self.prefix_queries.inc(s.prefix_queries - queries)
+        self.prefix_hits.inc(s.prefix_hits - hits)
+        self._seen_prefix = (s.prefix_queries, s.prefix_hits)
 
-    def _observe_first_token(self, req: Request) -> None:
-        cached = max(req.num_cached_tokens, 0)
-        self.prompt_tokens.inc(req.num_prompt_tokens)
-        self.prompt_computed.inc(req.num_prompt_tokens - cached)
-        self.prompt_cache_hit.inc(cached)
-        self.prompt_cached.inc(cached)
-        self.ttft.observe(req.token_times[0] - req.arrival_time)
+    def _record_iteration(self, it: IterationStats) -> None:
+        if it.num_preempted:
+            self.preemptions.inc(it.num_preempted)
+        for prompt_tokens, cached, ttft in it.first_tokens:  # the whole prompt counts at its first token
+            self.prompt_tokens.inc(prompt_tokens)
+            self.prompt_computed.inc(prompt_tokens - cached)
+            self.prompt_cache_hit.inc(cached)
+            self.prompt_cached.inc(cached)
+            self.ttft.observe(ttft)
+        for itl in it.inter_token_latencies:
+            self.itl.observe(itl)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.iteration_tokens.observe(it.num_iteration_tokens)
 
-    def observe_finished(self, req: Request, n: int = 1) -> None:
-        """One finished (or aborted) request, with the parameters it asked for."""
-        reason = FINISH_REASONS.get(req.status, "error")
-        self.success[reason].inc()
-        self.request_prompt_tokens.observe(req.num_prompt_tokens)
-        self.request_generation_tokens.observe(req.num_output_tokens)
-        self.max_num_generation_tokens.observe(req.max_tokens)
-        self.params_max_tokens.observe(req.max_tokens)
-        self.params_n.observe(n)
-        self.num_preemptions_hist.observe(req.num_preemptions)
-        self.prefill_kv_computed.observe(req.num_prompt_tokens - max(req.num_cached_tokens, 0))
-        times = req.token_times
-        if not times or req.first_scheduled_time is None:
+    def _record_finished(self, f: FinishedRequestStats) -> None:
+        self.success[f.finish_reason].inc()
+        self.request_prompt_tokens.observe(f.prompt_tokens)
+        self.request_generation_tokens.observe(f.generation_tokens)
+        self.max_num_generation_tokens.observe(f.max_tokens)
+        self.params_max_tokens.observe(f.max_tokens)
+        self.params_n.observe(f.n)
+        self.num_preemptions_hist.observe(f.num_preemptions)
+        self.prefill_kv_computed.observe(f.prefill_kv_computed)
+        t = f.timings
+        if t is None:
             return
-        first, last = times[0], times[-1]
-        self.e2e.observe(last - req.arrival_time)
-        self.queue.observe(req.first_scheduled_time - req.arrival_time)
-        self.inference.observe(last - req.first_scheduled_time)
-        self.prefill.observe(first - req.first_scheduled_time)
-        self.decode.observe(last - first)
-        self.tpot.observe((last - first) / (len(times) - 1) if len(times) > 1 else 0.0)
+        self.e2e.observe(t.e2e)
+        self.queue.observe(t.queue)
+        self.inference.observe(t.inference)
+        self.prefill.observe(t.prefill)
+        self.decode.observe(t.decode)
+        self.tpot.observe(t.tpot)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,6 +42,23 @@ class PromptTooLongError(ValueError):
     """The prompt cannot be served under max_model_len (vLLM's 400 error)."""
 
 
+def check_prompt(num_tokens: int, max_len: int) -> None:
+    """The input checks vLLM's frontend makes before a request reaches the engine."""
+    if num_tokens == 0:
+        raise ValueError("The decoder prompt cannot be empty")
+    if num_tokens > max_len:
+        raise PromptTooLongError(
+            f"The decoder prompt (length {num_tokens}) is longer than the maximum model length "
+            f"of {max_len}. Make sure that `max_model_len` is no smaller than the number "
+            "of text tokens.")
+    if num_tokens == max_len:
+        raise PromptTooLongError(
+            f"The decoder prompt (length {num_tokens}) plus the number of requested output "
+            f"tokens (at least 1) is longer than the maximum model length of {max_len}. Make "
+            "sure that `max_model_len` is no smaller than the number of text tokens (prompt + "
+            "requested output tokens).")
+
+
 class Request:
     """Token state plus the timestamps vLLM derives its latency metrics from.
 

@@ -1,6 +1,7 @@
 """`kvengine serve`: build the engine the flags describe, then serve it over HTTP."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -11,11 +12,10 @@ from .config import ConfigError, device_preset, model_preset
 from .cost import CostCoefficients
 from .engine import LLMEngine
 from .flags import config_from_args
-from .loop import EngineLoop
+from .client import EngineClient
+from .core import GIL_SWITCH_INTERVAL_S
 from .metrics import EngineMetrics
 from .server import ServerState, create_app
-
-GIL_SWITCH_INTERVAL_S = 50e-6
 
 
 def load_coefficients(path: str | None) -> CostCoefficients | None:
@@ -38,8 +38,8 @@ def load_coefficients(path: str | None) -> CostCoefficients | None:
         raise ConfigError(f"--cost-profile {path}: {err}") from None
 
 
-def build_state(args) -> ServerState:
-    """The engine, its loop, metrics and tokenizer, as the flags ask."""
+def build_engine(args):
+    """Runs in the engine core process: the engine the flags describe, its tokenizer and model name."""
     config = config_from_args(args)
     if args.executor == "sim":
         if args.model:
@@ -51,42 +51,40 @@ def build_state(args) -> ServerState:
         engine = LLMEngine(config, model, device, clock=WallClock(), record_steps=False,
                            eos_token_id=tokenizer.eos_token_id,
                            cost_coefficients=load_coefficients(args.cost_profile))
-        root = model.name
-    else:
-        if args.cost_profile:
-            raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
-        from .torch_executor import build_torch_engine
-        engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
-                                    device_memory=args.device_memory, seed=args.seed)
-        engine.record_steps = False
-        tokenizer = engine.executor.tokenizer
-        root = args.model or engine.model.name
-    name = (args.served_model_name or [args.model or engine.model.name])[0]
-    loop = EngineLoop(engine, EngineMetrics(name, engine))
-    return ServerState(loop, tokenizer, name, root, args.api_key)
+        return engine, tokenizer, model.name
+    if args.cost_profile:
+        raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
+    from .torch_executor import build_torch_engine
+    engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
+                                device_memory=args.device_memory, seed=args.seed)
+    engine.record_steps = False
+    return engine, engine.executor.tokenizer, args.model or engine.model.name
+
+
+def build_state(args) -> ServerState:
+    """Start the engine core process the flags describe; the frontend's state around it."""
+    engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
+    engine = EngineClient(build_engine, engine_args)
+    name = (args.served_model_name or [args.model or engine.info.model_name])[0]
+    engine.metrics = EngineMetrics(name, engine.info)
+    return ServerState(engine, name, engine.info.model_name, args.api_key)
 
 
 def serve(args) -> int:
     import uvicorn
 
-    state = build_state(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvengine.serve")
-    engine = state.loop.engine
-    for line in engine.memory.log_lines(engine.config.max_model_len):
+    state = build_state(args)
+    for line in state.engine.info.memory_log_lines:
         log.info(line)
-    # The engine thread and the HTTP frontend share one interpreter. At Python's default 5 ms
-    # switch interval, each time the engine thread takes the GIL back after a torch op or a
-    # kernel, a busy frontend (a burst of arrivals, many streams) holds it up to 5 ms more:
-    # measured on 2 CPUs, a bursty replay's TTFT p50 went 41.8 -> 27.6 ms and TPOT p50
-    # 6.0 -> 4.9 ms at 50 us.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    state.loop.start()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the reader thread hands tokens on without a 5 ms wait
+    state.engine.start()
     app = create_app(state)
-    log.info("serving %s on http://%s:%d (executor %s)", state.served_model_name, args.host, args.port,
-             args.executor)
+    log.info("serving %s on http://%s:%d (executor %s, engine core pid %d)", state.served_model_name,
+             args.host, args.port, args.executor, state.engine.process.pid)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     finally:
-        state.loop.shutdown()
+        state.engine.shutdown()
     return 0

@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, GET /version, GET /load, GET /metrics, POST /reset_prefix_cache.
-Handlers parse and check a request, hand it to the engine loop, and stream
+Handlers parse and check a request, hand it to the engine core, and stream
 its tokens back; a client that goes away aborts its requests.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import __version__
-from .loop import EngineLoop, Event
+from .client import EngineClient, Event
 from .metrics import CONTENT_TYPE
 from .protocol import (APIError, GenerationRequest, bad, new_id, now_s, parse_chat, parse_completion,
                        usage)
-from .request import RequestStatus
+from .request import RequestStatus, check_prompt
 
 log = logging.getLogger("kvengine.server")
 
@@ -74,18 +74,18 @@ class Generation:
 
     def start(self) -> None:
         """Check every prompt first (a 400 must come before any streaming), then submit."""
-        engine, tok = self.server.loop.engine, self.server.tokenizer
+        tok = self.server.tokenizer
+        max_len = self.server.engine.info.config.max_model_len
         encoded = []
         for i, prompt in enumerate(self.req.prompts):
             ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
             try:
-                engine.check_prompt(len(ids))
+                check_prompt(len(ids), max_len)
             except ValueError as err:
                 raise bad("prompt", str(err)) from None
             if any(t < 0 or t >= tok.vocab_size for t in ids):
                 raise bad("prompt", f"prompt {i}: token ids must be in [0, {tok.vocab_size})")
             encoded.append(ids)
-        max_len = engine.config.max_model_len
         base = new_id("req")
         for i, ids in enumerate(encoded):
             room = max_len - len(ids)
@@ -95,7 +95,7 @@ class Generation:
                 index = i * self.req.n + j
                 choice = Choice(index, f"{base}-{index}", Detokenizer(tok), prompt_tokens=len(ids))
                 self.choices.append(choice)
-                self.server.loop.add(choice.engine_id, ids, self.req.sampling_params(max_tokens, j),
+                self.server.engine.add(choice.engine_id, ids, self.req.sampling_params(max_tokens, j),
                                      self.events, index)
 
     async def deltas(self):
@@ -132,7 +132,7 @@ class Generation:
             at = text.find(stop, start)
             if at != -1:
                 choice.finish_reason, choice.stop_reason = "stop", stop
-                self.server.loop.abort(choice.engine_id, RequestStatus.FINISHED_STOPPED)
+                self.server.engine.abort(choice.engine_id, RequestStatus.FINISHED_STOPPED)
                 return text[:at][len(choice.text):]
         return delta
 
@@ -140,11 +140,11 @@ class Generation:
         return token_id if token_id in self.req.stop_token_ids else None
 
     def abort_unfinished(self) -> None:
-        if not self.server.loop.alive:
-            return  # a dead loop holds nothing to free
+        if not self.server.engine.alive:
+            return  # a dead core holds nothing to free
         for choice in self.choices:
             if not choice.done:
-                self.server.loop.abort(choice.engine_id)
+                self.server.engine.abort(choice.engine_id)
 
     @property
     def completion_tokens(self) -> int:
@@ -153,15 +153,18 @@ class Generation:
 
 @dataclass
 class ServerState:
-    loop: EngineLoop
-    tokenizer: object
+    engine: EngineClient
     served_model_name: str
     model_root: str
     api_key: str | None = None
 
     @property
+    def tokenizer(self):
+        return self.engine.info.tokenizer
+
+    @property
     def metrics(self):
-        return self.loop.metrics
+        return self.engine.metrics
 
 
 def sse(payload) -> str:
@@ -186,8 +189,8 @@ def create_app(state: ServerState) -> FastAPI:
         if path.startswith("/v1"):
             if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
                 return JSONResponse(APIError(401, "Unauthorized").body(), status_code=401)
-            if not state.loop.alive:
-                return JSONResponse(APIError(503, "The engine loop is not running.").body(), status_code=503)
+            if not state.engine.alive:
+                return JSONResponse(APIError(503, "The engine core is not running.").body(), status_code=503)
         try:
             return await call_next(request)
         except Exception as err:  # a handler bug is a 500 for that request, never a dead server
@@ -196,7 +199,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200 if state.loop.alive else 503)
+        return Response(status_code=200 if state.engine.alive else 503)
 
     @app.get("/version")
     async def version():
@@ -204,7 +207,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/load")
     async def load():
-        return {"server_load": state.loop.num_unfinished}
+        return {"server_load": state.engine.num_unfinished}
 
     @app.get("/metrics")
     async def metrics():
@@ -212,10 +215,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        engine = state.loop.engine
+        config = state.engine.info.config
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": now_s(), "owned_by": "vllm",
-            "root": state.model_root, "parent": None, "max_model_len": engine.config.max_model_len,
+            "root": state.model_root, "parent": None, "max_model_len": config.max_model_len,
             "permission": [{"id": new_id("modelperm"), "object": "model_permission", "created": now_s(),
                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
@@ -223,7 +226,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        ok = await asyncio.wrap_future(state.loop.reset_prefix_cache())
+        ok = await asyncio.wrap_future(state.engine.reset_prefix_cache())
         if not ok:
             raise APIError(409, "The prefix cache can only be reset while no request holds KV blocks.")
         return Response(status_code=200)

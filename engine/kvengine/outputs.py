@@ -1,0 +1,121 @@
+"""What the engine core sends the frontend after each step: plain, picklable records.
+
+The frontend never reads the engine's objects (they live in another process):
+tokens for the streams, and the stats vLLM V1's core sends its frontend
+(SchedulerStats, IterationStats, finished requests) for the Prometheus metrics.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .request import Request
+from .stats import RequestTimings, request_timings
+
+
+@dataclass(slots=True)
+class TokenOutput:
+    """One token for a request's stream, or its end (token_id None: ended without one)."""
+
+    request_id: str
+    token_id: int | None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """The engine's state after a step: gauges, and running totals the frontend diffs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    reserved_tokens: int
+    num_evictions: int
+    prefix_queries: int
+    prefix_hits: int
+    num_cached_blocks: int | None  # None: the allocator has no prefix cache pool
+
+
+@dataclass(slots=True)
+class IterationStats:
+    num_preempted: int
+    num_generation_tokens: int
+    num_iteration_tokens: int  # a first token counts its whole prompt, as vLLM's histogram does
+    first_tokens: list[tuple[int, int, float]]  # (prompt tokens, cached tokens, ttft)
+    inter_token_latencies: list[float]
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    max_tokens: int
+    n: int
+    num_preemptions: int
+    prefill_kv_computed: int
+    timings: RequestTimings | None  # None: ended before its first token
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    tokens: list[TokenOutput] = field(default_factory=list)
+    scheduler: SchedulerStats | None = None
+    iteration: IterationStats | None = None
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    replies: list[tuple[int, object]] = field(default_factory=list)  # (call id, result)
+    dead: str | None = None  # the engine core died; this is why
+
+    def __bool__(self) -> bool:
+        return bool(self.tokens or self.iteration or self.finished or self.replies or self.dead)
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    """What the frontend learns once, when the core has built its engine."""
+
+    config: EngineConfig  # resolved
+    model_name: str
+    num_gpu_blocks: int
+    memory_log_lines: list[str]
+    tokenizer: object
+    scheduler: SchedulerStats
+
+
+def scheduler_stats(engine) -> SchedulerStats:
+    kv, sched = engine.kv, engine.scheduler
+    pool = getattr(kv, "pool", None)
+    return SchedulerStats(
+        num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv.usage(),
+        num_free_blocks=kv.num_free_blocks,
+        reserved_tokens=(kv.num_usable_blocks - kv.num_free_blocks) * engine.config.block_size,
+        num_evictions=kv.num_evictions, prefix_queries=kv.prefix_stats.queries,
+        prefix_hits=kv.prefix_stats.hits, num_cached_blocks=None if pool is None else len(pool.cached))
+
+
+def iteration_stats(step) -> IterationStats:
+    first_tokens, itls, iteration = [], [], 0
+    for req, _ in step.new_tokens:
+        times = req.token_times
+        iteration += 1
+        if len(times) == 1:
+            iteration += req.num_prompt_tokens
+            first_tokens.append((req.num_prompt_tokens, max(req.num_cached_tokens, 0),
+                                 times[0] - req.arrival_time))
+        else:
+            itls.append(times[-1] - times[-2])
+    return IterationStats(len(step.preempted), len(step.new_tokens), iteration, first_tokens, itls)
+
+
+def finished_stats(req: Request) -> FinishedRequestStats:
+    produced = bool(req.token_times) and req.first_scheduled_time is not None
+    return FinishedRequestStats(
+        finish_reason=req.finish_reason or "error", prompt_tokens=req.num_prompt_tokens,
+        generation_tokens=req.num_output_tokens, max_tokens=req.max_tokens, n=req.sampling_params.n,
+        num_preemptions=req.num_preemptions,
+        prefill_kv_computed=req.num_prompt_tokens - max(req.num_cached_tokens, 0),
+        timings=request_timings(req) if produced else None)
