@@ -170,6 +170,15 @@ def test_steady_itl_uses_the_steps_where_the_whole_batch_decodes():
     assert steady_itl([a, b]) == pytest.approx(0.01)
 
 
+def test_steady_itl_keeps_a_stretched_step_and_drops_a_late_read():
+    steps = [0.01 * i for i in range(12)]  # the window: tokens 0..10, ten 10 ms gaps
+    stretched = steps[:6] + [t + 0.02 for t in steps[6:]]  # one step took 30 ms: a TPOT has it
+    assert steady_itl([stretched, stretched]) == pytest.approx(0.012)
+    late_read = list(steps)
+    late_read[5] += 0.008  # the client read token 5 late: its gap grew, the next shrank
+    assert steady_itl([late_read, late_read]) == pytest.approx(0.01)
+
+
 # ---------------------------------------------------------------- against a live server
 
 def sim_server(tmp_path, coeffs: CostCoefficients, *flags) -> ManagedServer:

@@ -125,9 +125,8 @@ def _engine(model, device, cfg) -> tuple[LLMEngine, _RecordingExecutor]:
 def _replay(run: ProbeRun, model, device, cfg):
     """An isolated probe: warm-up alone, then the batch at once. The TTFT spans the
     first request's steps up to its first token; the steady ITL averages the steps
-    after the last first token and before the first last token (`probes.steady_gaps`'
-    window, whose median gap is their mean: the context, so the step time, grows
-    linearly across it)."""
+    after the last first token and before the first last token (the window of
+    `probes.steady_itl`, which measures its mean gap)."""
     trial = run.trials[0]
     engine, executor = _engine(model, device, cfg)
     if trial.warmup is not None:

@@ -287,7 +287,7 @@ class ProbeRun:
 
     def measured(self, measure: str) -> float:
         """An observable in seconds: the median TTFT of the trials' first requests, or
-        the median over trials of the steady inter-token gap (see `steady_itl`); for a
+        the median over trials of the steady mean inter-token gap (see `steady_itl`); for a
         loaded probe, the mean TTFT of its selected arrivals and the background's mean
         gap while they arrive (mixed steps included, as a TPOT under traffic has them)."""
         if self.probe.background:
@@ -317,32 +317,37 @@ class ProbeRun:
         return float(1.4826 * 1.253 * np.median(np.abs(arr - np.median(arr))) / np.sqrt(len(arr)))
 
 
-def steady_gaps(token_times: list[list[float]]) -> list[float]:
-    """The gaps between tokens while every request of a batch decodes.
+def _steady_window(token_times: list[list[float]]) -> list[np.ndarray]:
+    """Each request's token times while every request of a batch decodes.
 
     The window starts at the token (of each request) sent with the batch's last first
     token (every prefill done) and ends one token before the first request's last
-    token (none has finished): the same steps for all requests, found by time."""
+    token (none has finished): the same steps for all requests, found by time. Too
+    short a window: every token after the first."""
     start = max(times[0] for times in token_times)
     end = min(times[-1] for times in token_times)
-    gaps: list[float] = []
+    windows = []
     for times in token_times:
         arr = np.asarray(times)
         i0 = int(np.argmin(np.abs(arr - start)))
         i1 = int(np.argmin(np.abs(arr - end))) - 1
         if i1 - i0 >= 1:
-            gaps.extend(np.diff(arr[i0:i1 + 1]).tolist())
-    if not gaps:  # too short a window: every gap after the first token
-        for times in token_times:
-            gaps.extend(np.diff(times[1:]).tolist())
-    return gaps
+            windows.append(arr[i0:i1 + 1])
+    return windows or [np.asarray(times[1:]) for times in token_times if len(times) > 2]
+
+
+def steady_gaps(token_times: list[list[float]]) -> list[float]:
+    """The gaps between tokens in the steady window (`_steady_window`)."""
+    return [g for window in _steady_window(token_times) for g in np.diff(window).tolist()]
 
 
 def steady_itl(token_times: list[list[float]]) -> float:
-    """The median gap in the steady window (`steady_gaps`): a hiccup of the client or
-    the machine moves a mean, not a median."""
-    gaps = steady_gaps(token_times)
-    return float(np.median(gaps)) if gaps else float("nan")
+    """The mean gap in the steady window: its span over its gaps, per request, then the
+    median over the batch. A client that reads a token late moves one gap up and the next
+    down, so the span is immune to it; a step the server stretches (a GC pause, a command
+    read mid-loop) is in it, as it is in every TPOT. A median of gaps would drop those."""
+    spans = [(w[-1] - w[0]) / (len(w) - 1) for w in _steady_window(token_times) if len(w) > 1]
+    return float(np.median(spans)) if spans else float("nan")
 
 
 @dataclass
