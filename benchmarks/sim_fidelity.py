@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """How well the sim predicts a live server, calibrated and not.
 
-Calibrates against the bundled engine's torch executor on the CPU (`kvengine
-serve --executor torch --preset tiny --device cpu`, started by kvtune), then
-replays held-out workloads, shaped unlike the probes, on the live engine and
-on the sim (calibrated, and the plain roofline):
+For each held-out workload, shaped unlike the probes: calibrates against the
+bundled engine's torch executor on the CPU (`kvengine serve --executor torch
+--preset tiny --device cpu`, started by kvtune), then replays the workload on
+the live engine and on the sim (calibrated, and the plain roofline):
 
 * azure:  a slice of the Azure 2023 conversation trace, lengths scaled to the
           tiny model's 4096 context and a CPU's speed;
@@ -13,7 +13,8 @@ on the sim (calibrated, and the plain roofline):
 
 Prints predicted vs measured TTFT p50/p95, TPOT p50/p95, throughput and
 preemptions with relative errors, next to the roofline's. Goal: within 15% on
-the p50s and 25% on the p95s. About 6 minutes on 2 cores (--quick: about 2).
+the p50s and 25% on the p95s. The machine's drift is shown by a fixed decode timed
+after each fit and after its live run. About 8 minutes on 2 cores (--quick: about 3).
 
     python benchmarks/sim_fidelity.py [--quick] [--json]
 """
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +37,7 @@ from kvengine.config import EngineConfig, model_preset
 from kvengine.torch_executor import torch_device_spec
 
 from kvtune.calibrate import calibrate_url, format_profile
+from kvtune.calibrate.probes import steady_itl, stream_request
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
 from kvtune.targets.live import run_live
 from kvtune.targets.process import ManagedServer, free_port
@@ -75,6 +78,22 @@ def workloads(quick: bool) -> list[tuple[str, object]]:
     return [("azure", azure), ("prefix", prefix), ("bursty", bursty)]
 
 
+def reference_itl(url: str, repeats: int = 3) -> float:
+    """The machine's speed now: the mean inter-token gap of a fixed decode (256-token prompt,
+    96 tokens), the median of `repeats`."""
+    import asyncio
+
+    async def timed() -> list[float]:
+        async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
+            gaps = []
+            for _ in range(repeats):
+                timing = await stream_request(client, "", list(range(1000, 1256)), 96)
+                gaps.append(steady_itl([timing.token_times]))
+            return gaps
+
+    return float(statistics.median(asyncio.run(timed())))
+
+
 def rel(pred, meas):
     if pred is None or meas is None:
         return None
@@ -97,30 +116,40 @@ def main(argv=None) -> int:
     options = LiveOptions(device="cpu", drain_timeout_s=120, scrape_interval_s=2.0)
     target = EngineTarget(options, executor="torch", preset="tiny", device="cpu")
     port = free_port()
-    # One server for the calibration and every held-out run: warm (no cold first requests),
-    # its prefix cache reset before each run, as a fresh one would have it.
+    model, device = model_preset("tiny"), torch_device_spec("cpu")  # the live server's pool: its 2 GiB
+    rows, profiles, drift = [], {}, {}
+    # One warm server for everything, its prefix cache reset before each run. Each workload
+    # is predicted by a fit made just before its live run: a shared 2-CPU machine's speed
+    # drifts by 5-15% over minutes, and one fit for all three put that drift into the last
+    # workload's error. A fixed decode is timed after the fit and after the live run to show it.
     with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
-        print(f"# calibrating against {' '.join(target.command(config, port)[2:])}", flush=True)
-        profile = calibrate_url(server.url, "tiny", "cpu", config, "sim-fidelity", target="engine",
-                                executor="torch", quick=args.quick, check_alive=server.check_alive)
-        print(format_profile(profile), flush=True)
-        model, device = model_preset("tiny"), torch_device_spec("cpu")  # the live server's pool: its 2 GiB
-        rows = []
+        print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
         for name, workload in workloads(args.quick):
             t0 = time.perf_counter()
             httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+            profile = calibrate_url(server.url, "tiny", "cpu", config, f"sim-fidelity-{name}", target="engine",
+                                    executor="torch", quick=args.quick, check_alive=server.check_alive)
+            print(f"# {name}: calibrated in {time.perf_counter() - t0:.0f} s\n{format_profile(profile)}", flush=True)
+            before = reference_itl(server.url)
+            httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
             live = run_live(server.url, workload, "engine", "tiny", config, options, check_alive=server.check_alive)
+            drift[name] = reference_itl(server.url) / before - 1.0
             calibrated = SimTarget(model, device, profile.coefficients, profile.client_overhead_s,
                                    profile.client_overhead_busy_s).run(config, workload)
             roofline = SimTarget(model, device).run(config, workload)
             rows.append((name, len(workload), live.summary, calibrated.summary, roofline.summary))
+            profiles[name] = profile
             print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live run "
-                  f"{time.perf_counter() - t0:.0f} s ({live.summary['failed']} failed)", flush=True)
+                  f"{live.wall_s:.0f} s ({live.summary['failed']} failed); the reference decode's ITL moved "
+                  f"{drift[name]:+.1%} from the fit to the run's end", flush=True)
     load_after = os.getloadavg()
     print(format_table(rows))
     out = {"calibrated": summary_errors(rows, 3), "uncalibrated": summary_errors(rows, 4),
-           "client_overhead_s": profile.client_overhead_s, "client_overhead_busy_s": profile.client_overhead_busy_s, "coefficients": profile.coefficients.to_dict(),
-           "fit_residuals": profile.residuals, "wall_s": round(time.perf_counter() - t_start, 1),
+           "machine_drift": {k: round(v, 4) for k, v in drift.items()},
+           "profiles": {name: {"coefficients": p.coefficients.to_dict(), "client_overhead_s": p.client_overhead_s,
+                               "client_overhead_busy_s": p.client_overhead_busy_s, "fit_residuals": p.residuals}
+                        for name, p in profiles.items()},
+           "wall_s": round(time.perf_counter() - t_start, 1),
            "load_average": [round(load_before[0], 2), round(load_after[0], 2)]}
     print(verdict(out))
     print(f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after, on {os.cpu_count()} CPUs: "

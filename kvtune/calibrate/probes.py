@@ -422,11 +422,11 @@ def _failure(url: str, probe: Probe, err: Exception, check_alive) -> str:
 
 async def _trial(client, model_name, probe: Probe, warm, prompts, options) -> TrialRun:
     if warm is not None:
-        await _request(client, model_name, warm, 1)
+        await stream_request(client, model_name, warm, 1)
     timed = TTFT in probe.measures and len(prompts) == 1
     before = await _prefill_times(client) if timed else None
     await asyncio.sleep(options.settle_s)
-    timings = await asyncio.gather(*(_request(client, model_name, p, probe.max_tokens) for p in prompts))
+    timings = await asyncio.gather(*(stream_request(client, model_name, p, probe.max_tokens) for p in prompts))
     await asyncio.sleep(options.settle_s)
     trial = TrialRun(warm, prompts, list(timings))
     if before is not None:
@@ -461,7 +461,7 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
     total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
     timings_bg = [RequestTiming(0.0) for _ in background]
     first = timings_bg[0]
-    tasks = [asyncio.create_task(_request(client, model_name, p, total, t)) for p, t in zip(background, timings_bg)]
+    tasks = [asyncio.create_task(stream_request(client, model_name, p, total, t)) for p, t in zip(background, timings_bg)]
     arrivals, timings, sent_at = [], [], []
     try:
         for k in range(probe.repeats):
@@ -478,7 +478,7 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
             sent_at.append(len(first.token_times))
             prompt = fresh(probe.prompt_len)
             arrivals.append(prompt)
-            timings.append(await _request(client, model_name, prompt, 1))
+            timings.append(await stream_request(client, model_name, prompt, 1))
         for t in tasks:
             if t.done():
                 t.result()  # a background request that failed meanwhile
@@ -490,8 +490,9 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
     return TrialRun(None, arrivals, timings, background, timings_bg, sent_at)
 
 
-async def _request(client: httpx.AsyncClient, model_name: str, prompt: list[int], max_tokens: int,
-                   timing: RequestTiming | None = None) -> RequestTiming:
+async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: list[int], max_tokens: int,
+                         timing: RequestTiming | None = None) -> RequestTiming:
+    """One streamed completion of exactly `max_tokens` tokens, each token's receipt time noted."""
     body = {**({"model": model_name} if model_name else {}), "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     timing = timing or RequestTiming(0.0)
