@@ -166,7 +166,7 @@ class EngineClient:
         log.error("%s", why)
         self.error = why
         subscribers, self._subscribers = self._subscribers, {}
-        for rid, sub in subscribers.items():
+        for sub in subscribers.values():
             sub.aloop.call_soon_threadsafe(sub.events.put_nowait, Event(
                 sub.index, finish_reason="error", error=why, status=503))
         for done in self._replies.values():

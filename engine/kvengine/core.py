@@ -115,11 +115,7 @@ class EngineCore:
         step = self.engine.step()
         out.iteration = iteration_stats(step)
         for req, token in step.new_tokens:  # a request's last token carries its finish reason
-            if req.is_finished:
-                out.tokens.append(TokenOutput(req.request_id, token, req.finish_reason, req.num_prompt_tokens,
-                                              max(req.num_cached_tokens, 0)))
-            else:
-                out.tokens.append(TokenOutput(req.request_id, token))
+            out.tokens.append(_end(req, token) if req.is_finished else TokenOutput(req.request_id, token))
 
     def _collect_finished(self, out: CoreOutputs) -> None:
         finished = self.engine.finished
@@ -129,8 +125,7 @@ class EngineCore:
         for req in finished:
             out.finished.append(finished_stats(req))
             if req.request_id not in ended_with_token:  # aborted, or ended before a token
-                out.tokens.append(TokenOutput(req.request_id, None, req.finish_reason, req.num_prompt_tokens,
-                                              max(req.num_cached_tokens, 0)))
+                out.tokens.append(_end(req, None))
         finished.clear()
 
     def _send_quietly(self, out: CoreOutputs) -> None:
@@ -138,3 +133,8 @@ class EngineCore:
             self.conn.send(out)
         except (OSError, ValueError):
             pass
+
+
+def _end(req, token: int | None) -> TokenOutput:
+    """A finished request's last stream event: its finish reason and prompt usage."""
+    return TokenOutput(req.request_id, token, req.finish_reason, req.num_prompt_tokens, max(req.num_cached_tokens, 0))

@@ -141,8 +141,8 @@ class EngineMetrics:
                                              "Histogram of new KV tokens computed during prefill "
                                              "(excluding cached tokens).", token_buckets)
         config_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                     list(cache_config_labels(info.config, 0)) + ["engine"], registry=reg,
-                     multiprocess_mode="mostrecent")
+                            list(cache_config_labels(info.config, 0)) + ["engine"], registry=reg,
+                            multiprocess_mode="mostrecent")
         config_info.labels(**cache_config_labels(info.config, info.num_gpu_blocks),
                            engine=engine_index).set(1)
 

@@ -6,6 +6,7 @@ tokens for the streams, and the stats vLLM V1's core sends its frontend
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
@@ -118,4 +119,5 @@ def finished_stats(req: Request) -> FinishedRequestStats:
         generation_tokens=req.num_output_tokens, max_tokens=req.max_tokens, n=req.sampling_params.n,
         num_preemptions=req.num_preemptions,
         prefill_kv_computed=req.num_prompt_tokens - max(req.num_cached_tokens, 0),
-        timings=request_timings(req) if produced else None)
+        # the metrics use the latencies, not the per-token gaps (already sent step by step)
+        timings=dataclasses.replace(request_timings(req), itl=()) if produced else None)
