@@ -40,3 +40,12 @@ def test_presets_lists_models_and_devices():
     data = json.loads(p.stdout.strip().splitlines()[-1])
     assert {"llama-2-7b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b", "tiny"} <= set(data["models"])
     assert {"h100-80gb", "h200-141gb", "a100-80gb", "a100-40gb", "a10-24gb", "l4-24gb", "cpu"} <= set(data["devices"])
+
+
+def test_serve_start_errors_from_the_engine_core_process_are_one_clear_line(tmp_path):
+    """The engine is built in its own process; what fails there reaches the operator as before."""
+    p = kvengine("serve", "--executor", "torch", "--model", str(tmp_path / "missing"), "--port", "1")
+    assert p.returncode == 2 and f"--model {tmp_path / 'missing'}: not a local folder" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = kvengine("serve", "--executor", "torch", "--device-memory", "1MiB", "--port", "1")
+    assert p.returncode == 1 and "engine cannot start" in p.stderr and "Traceback" not in p.stderr

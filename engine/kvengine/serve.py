@@ -54,9 +54,13 @@ def build_engine(args):
         return engine, tokenizer, model.name
     if args.cost_profile:
         raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
+    from .hf import CheckpointError
     from .torch_executor import build_torch_engine
-    engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
-                                device_memory=args.device_memory, seed=args.seed)
+    try:
+        engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
+                                    device_memory=args.device_memory, seed=args.seed)
+    except CheckpointError as err:  # its message starts with the folder; name the flag too
+        raise ConfigError(f"--model {err}") from None
     engine.record_steps = False
     return engine, engine.executor.tokenizer, args.model or engine.model.name
 
