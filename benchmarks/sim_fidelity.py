@@ -14,7 +14,7 @@ the live engine and on the sim (calibrated, and the plain roofline):
 Prints predicted vs measured TTFT p50/p95, TPOT p50/p95, throughput and
 preemptions with relative errors, next to the roofline's. Goal: within 15% on
 the p50s and 25% on the p95s. The machine's drift is shown by a fixed decode timed
-after each fit and after its live run. About 8 minutes on 2 cores (--quick: about 3).
+after each fit and after its live run. About 7 minutes on 2 cores (--quick: about 3).
 
     python benchmarks/sim_fidelity.py [--quick] [--json]
 """
