@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """How well the sim predicts a live server, calibrated and not.
 
-For each held-out workload, shaped unlike the probes: calibrates against the
-bundled engine's torch executor on the CPU (`kvengine serve --executor torch
---preset tiny --device cpu`, started by kvtune), then replays the workload on
-the live engine and on the sim (calibrated, and the plain roofline):
+For each held-out workload, shaped unlike the probes: replays it on the bundled
+engine's torch executor on the CPU (`kvengine serve --executor torch --preset
+tiny --device cpu`, started by kvtune) twice, calibrates against that server
+between the two runs, and replays it on the sim (calibrated, and the plain
+roofline):
 
 * azure:  a slice of the Azure 2023 conversation trace, lengths scaled to the
           tiny model's 4096 context and a CPU's speed;
@@ -12,9 +13,12 @@ the live engine and on the sim (calibrated, and the plain roofline):
 * bursty: another Azure slice re-timed as a bursty gamma process (burstiness 0.3).
 
 Prints predicted vs measured TTFT p50/p95, TPOT p50/p95, throughput and
-preemptions with relative errors, next to the roofline's. Goal: within 15% on
-the p50s and 25% on the p95s. The machine's drift is shown by a fixed decode timed
-after each fit and after its live run. About 7 minutes on 2 cores (--quick: about 3).
+preemptions with relative errors, next to the roofline's. Measured is the mean of
+the two live runs; their spread (the second against the first) is the noise
+floor, the error a perfect simulator would show against one run. Goal: within
+15% on the p50s and 25% on the p95s. A fixed decode, timed before each
+workload's first run and after its second, shows the machine's drift. About 10
+minutes on 2 cores (--quick: about 4).
 
     python benchmarks/sim_fidelity.py [--quick] [--json]
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -94,6 +100,12 @@ def reference_itl(url: str, repeats: int = 3) -> float:
     return float(statistics.median(asyncio.run(timed())))
 
 
+def fresh_cache(url: str, run):
+    """run() on a server whose prefix cache was just reset (each run starts cold)."""
+    httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+    return run()
+
+
 def rel(pred, meas):
     if pred is None or meas is None:
         return None
@@ -104,7 +116,7 @@ def rel(pred, meas):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 4 minutes)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     args = ap.parse_args(argv)
     if not TRACE.exists():
@@ -117,34 +129,42 @@ def main(argv=None) -> int:
     target = EngineTarget(options, executor="torch", preset="tiny", device="cpu")
     port = free_port()
     model, device = model_preset("tiny"), torch_device_spec("cpu")  # the live server's pool: its 2 GiB
-    rows, profiles, drift = [], {}, {}
+    rows, profiles, drift, spreads = [], {}, {}, {}
     # One warm server for everything, its prefix cache reset before each run. Each workload
-    # is predicted by a fit made just before its live run: a shared 2-CPU machine's speed
-    # drifts by 5-15% over minutes, and one fit for all three put that drift into the last
-    # workload's error. A fixed decode is timed after the fit and after the live run to show it.
+    # runs live twice with its fit in between: a shared 2-CPU machine's speed drifts by 5-20%
+    # over minutes, and a fit between two runs compared with their mean cancels a steady drift
+    # (one fit for all three workloads put that drift into the last workload's error). A fixed
+    # decode is timed before the first run and after the second to show the drift.
     with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
         print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
         for name, workload in workloads(args.quick):
-            t0 = time.perf_counter()
-            httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
-            profile = calibrate_url(server.url, "tiny", "cpu", config, f"sim-fidelity-{name}", target="engine",
-                                    executor="torch", quick=args.quick, check_alive=server.check_alive)
-            print(f"# {name}: calibrated in {time.perf_counter() - t0:.0f} s\n{format_profile(profile)}", flush=True)
+            live_run = functools.partial(run_live, server.url, workload, "engine", "tiny", config, options,
+                                         check_alive=server.check_alive)
+            calibrate = functools.partial(calibrate_url, server.url, "tiny", "cpu", config, f"sim-fidelity-{name}",
+                                          target="engine", executor="torch", quick=args.quick,
+                                          check_alive=server.check_alive)
             before = reference_itl(server.url)
-            httpx.post(server.url + "/reset_prefix_cache", timeout=30).raise_for_status()
-            live = run_live(server.url, workload, "engine", "tiny", config, options, check_alive=server.check_alive)
+            lives = [fresh_cache(server.url, live_run)]
+            t0 = time.perf_counter()
+            profile = fresh_cache(server.url, calibrate)
+            print(f"# {name}: calibrated in {time.perf_counter() - t0:.0f} s\n{format_profile(profile)}", flush=True)
+            lives.append(fresh_cache(server.url, live_run))
             drift[name] = reference_itl(server.url) / before - 1.0
             calibrated = SimTarget(model, device, profile.coefficients, profile.client_overhead_s,
                                    profile.client_overhead_busy_s).run(config, workload)
             roofline = SimTarget(model, device).run(config, workload)
-            rows.append((name, len(workload), live.summary, calibrated.summary, roofline.summary))
+            live = mean_summary([run.summary for run in lives])
+            spreads[name] = {k: rel(lives[1].summary.get(k), lives[0].summary.get(k)) for k in COLUMNS}
+            rows.append((name, len(workload), live, calibrated.summary, roofline.summary))
             profiles[name] = profile
-            print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live run "
-                  f"{live.wall_s:.0f} s ({live.summary['failed']} failed); the reference decode's ITL moved "
-                  f"{drift[name]:+.1%} from the fit to the run's end", flush=True)
+            print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live runs "
+                  f"{', '.join(f'{run.wall_s:.0f} s' for run in lives)} "
+                  f"({sum(run.summary['failed'] for run in lives)} failed); the reference decode's ITL moved "
+                  f"{drift[name]:+.1%} from before the first run to after the second", flush=True)
     load_after = os.getloadavg()
-    print(format_table(rows))
+    print(format_table(rows, spreads))
     out = {"calibrated": summary_errors(rows, 3), "uncalibrated": summary_errors(rows, 4),
+           "live_noise": noise_floor(spreads),
            "machine_drift": {k: round(v, 4) for k, v in drift.items()},
            "profiles": {name: {"coefficients": p.coefficients.to_dict(), "client_overhead_s": p.client_overhead_s,
                                "client_overhead_busy_s": p.client_overhead_busy_s, "fit_residuals": p.residuals}
@@ -159,16 +179,35 @@ def main(argv=None) -> int:
     return 0
 
 
+def mean_summary(summaries: list[dict]) -> dict:
+    """The live figures: each column's mean over the runs (None where a run has none)."""
+    out = {}
+    for k in COLUMNS:
+        values = [s.get(k) for s in summaries]
+        out[k] = None if any(v is None for v in values) else float(np.mean(values))
+    return out
+
+
+def noise_floor(spreads: dict) -> dict:
+    """The second live run against the first, per workload and column, with the worst
+    p50 and p95: what a perfect simulator's error would look like against one run."""
+    return {"max_rel_spread_p50": worst(spreads, P50S), "max_rel_spread_p95": worst(spreads, P95S),
+            "per_workload": spreads}
+
+
 def summary_errors(rows, column: int) -> dict:
     errors = {}
     for name, _, live, *sims in rows:
         sim = sims[column - 3]
         errors[name] = {k: rel(sim.get(k), live.get(k)) for k in COLUMNS}
-    def worst(keys):
-        values = [abs(e[k]) for e in errors.values() for k in keys if e[k] is not None]
-        return round(max(values), 4) if values else None
-    return {"max_rel_error_p50": worst(P50S), "max_rel_error_p95": worst(P95S),
-            "max_rel_error_throughput": worst(("output_tok_s",)), "per_workload": errors}
+    return {"max_rel_error_p50": worst(errors, P50S), "max_rel_error_p95": worst(errors, P95S),
+            "max_rel_error_throughput": worst(errors, ("output_tok_s",)), "per_workload": errors}
+
+
+def worst(per_workload: dict, keys) -> float | None:
+    """The largest |relative error| over the workloads and these columns."""
+    values = [abs(e[k]) for e in per_workload.values() for k in keys if e[k] is not None]
+    return round(max(values), 4) if values else None
 
 
 def _fmt(key, value):
@@ -185,27 +224,33 @@ def _err(e):
     return "" if e is None else f"{e:+.0%}"
 
 
-def format_table(rows) -> str:
-    lines = ["", f"{'workload':10}{'metric':14}{'live':>10}{'calibrated':>12}{'err':>7}{'roofline':>11}{'err':>7}"]
+def format_table(rows, spreads: dict) -> str:
+    """Live is the mean of the runs; "spread" is the second live run against the first."""
+    header = (f"{'workload':10}{'metric':14}{'live':>10}{'spread':>8}{'calibrated':>12}{'err':>7}"
+              f"{'roofline':>11}{'err':>7}")
+    lines = ["", header]
     for name, n, live, cal, unc in rows:
+        label = name
         for k in COLUMNS:
             unit = "tok/s" if k == "output_tok_s" else ("" if k == "preemptions" else "ms")
-            lines.append(f"{name:10}{k + (' ' + unit if unit else ''):14}{_fmt(k, live.get(k)):>10}"
+            lines.append(f"{label:10}{k + (' ' + unit if unit else ''):14}{_fmt(k, live.get(k)):>10}"
+                         f"{_err(spreads[name][k]):>8}"
                          f"{_fmt(k, cal.get(k)):>12}{_err(rel(cal.get(k), live.get(k))):>7}"
                          f"{_fmt(k, unc.get(k)):>11}{_err(rel(unc.get(k), live.get(k))):>7}")
-            name = ""
+            label = ""
     return "\n".join(lines)
 
 
 def verdict(out) -> str:
-    c, u = out["calibrated"], out["uncalibrated"]
+    c, u, n = out["calibrated"], out["uncalibrated"], out["live_noise"]
     def ok(v, goal):
         return v is not None and v <= goal
     return (f"\ncalibrated sim: worst p50 error {c['max_rel_error_p50']:.0%} (goal {GOALS['p50']:.0%}: "
             f"{'met' if ok(c['max_rel_error_p50'], GOALS['p50']) else 'missed'}), worst p95 error "
             f"{c['max_rel_error_p95']:.0%} (goal {GOALS['p95']:.0%}: "
             f"{'met' if ok(c['max_rel_error_p95'], GOALS['p95']) else 'missed'}); uncalibrated roofline: "
-            f"{u['max_rel_error_p50']:.0%} / {u['max_rel_error_p95']:.0%}")
+            f"{u['max_rel_error_p50']:.0%} / {u['max_rel_error_p95']:.0%}; live run against live run (the noise "
+            f"floor): {n['max_rel_spread_p50']:.0%} / {n['max_rel_spread_p95']:.0%}")
 
 
 if __name__ == "__main__":
