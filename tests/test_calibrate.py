@@ -26,6 +26,7 @@ from kvtune.calibrate import (
     list_profiles,
     load_cost_profile,
     save_profile,
+    speed_drift,
     step_shapes,
 )
 from kvtune.calibrate.probes import (
@@ -153,14 +154,34 @@ def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, busy_arriva
 def test_probe_plan_is_bounded_and_fits_the_context():
     for quick in (True, False):
         plan = design_probes(4096, max_batch=64, pool_tokens=200_000, batch_tokens=2048, quick=quick)
-        assert plan.num_requests <= (200 if quick else 600)
+        assert plan.num_requests <= (220 if quick else 600)
         for p in plan.probes:
             assert p.prompt_len + p.max_tokens <= 4096
             assert p.batch * (p.prompt_len + p.max_tokens) <= 200_000
             assert set(p.measures) <= {TTFT, ITL}
+        # It opens and closes with the same decode probe: the server's drift while probed.
+        assert plan.probes[0] == plan.probes[-1] and plan.probes[0].measures == (ITL,)
     small = design_probes(512, max_batch=4, quick=True)
     assert max(p.batch for p in small.probes) <= 4
     assert all(p.prompt_len + p.max_tokens <= 512 for p in small.probes)
+
+
+def decode_run(probe, gap_s: float, tokens: int = 24) -> ProbeRun:
+    times = [0.01 + gap_s * i for i in range(tokens)]
+    return ProbeRun(probe, [TrialRun(None, [[1]] * probe.batch, [RequestTiming(0.0, times)] * probe.batch)])
+
+
+def test_speed_drift_compares_the_closing_probe_with_the_opening_one():
+    plan = design_probes(4096, max_batch=64, quick=True)
+    check = plan.probes[0]
+    runs = [decode_run(check, 0.010), decode_run(plan.probes[1], 0.009), decode_run(check, 0.012)]
+    drift = speed_drift(runs)
+    assert drift["probe"] == check.label
+    assert drift["first_s"] == pytest.approx(0.010) and drift["last_s"] == pytest.approx(0.012)
+    assert drift["change"] == pytest.approx(0.2)
+    assert speed_drift(runs[:1]) is None  # a plan without the check says nothing
+    other = dataclasses.replace(check, batch=check.batch * 2)
+    assert speed_drift([decode_run(check, 0.01), decode_run(other, 0.01)]) is None
 
 
 def test_steady_itl_uses_the_steps_where_the_whole_batch_decodes():
@@ -229,6 +250,9 @@ def test_calibration_recovers_known_coefficients_from_a_live_sim_server(tmp_path
     assert profile.coefficients.kv_memory_efficiency is None  # one bandwidth serves weights and K/V here
     assert 0 < profile.client_overhead_s < 0.05
     assert "residuals" in out and "calibrated" in out
+    # The drift check ran twice; a sim server's steps take their modelled time.
+    assert profile.drift["probe"].endswith("(drift check)") and abs(profile.drift["change"]) < 0.25
+    assert "server speed" in out
     # The stored coefficients drive the sim: its decode steps now take the server's time.
     sim = SimTarget(*profile.specs(), load_cost_profile(db, "known"))
     workload = synthesize(SynthSpec(num_requests=4, rate=100.0, input_len=parse_dist("32"),
@@ -312,7 +336,8 @@ def test_profile_round_trips_through_the_store(tmp_path):
         server={"block_size": 16, "config": {"max_num_seqs": 256}},
         residuals={"prefill": {"n": 5, "rms": 0.1, "max": 0.2, "bias": 0.01}},
         observations=[{"kind": "prefill", "label": "prefill L=16", "measure": "ttft", "measured_s": 0.008,
-                       "predicted_s": 0.0081}])
+                       "predicted_s": 0.0081}],
+        drift={"probe": "decode B=4 (drift check)", "first_s": 0.002, "last_s": 0.0021, "change": 0.05})
     save_profile(db, profile)
     back = get_profile(db, "cpu-tiny")
     assert back == profile

@@ -16,6 +16,7 @@ from .probes import (
                      design_probes,
                      run_probes,
                      server_info,
+                     speed_drift,
 )
 from .profile import (
                      CalibrationProfile,
@@ -30,5 +31,5 @@ __all__ = [
     "CalibrationError", "CalibrationProfile", "FitResult", "Observation", "Probe", "ProbeOptions", "ProbePlan",
     "ProbeRun", "ProfileNotFoundError", "ServerInfo", "add_calibrate_command", "calibrate_target",
     "calibrate_url", "design_probes", "fit_coefficients", "format_profile", "get_profile", "list_profiles",
-    "load_cost_profile", "run_probes", "save_profile", "server_info", "step_shapes",
+    "load_cost_profile", "run_probes", "save_profile", "server_info", "speed_drift", "step_shapes",
 ]

@@ -33,6 +33,7 @@ from .probes import (
     design_probes,
     run_probes,
     server_info,
+    speed_drift,
 )
 from .profile import CalibrationProfile, save_profile
 
@@ -40,6 +41,7 @@ TARGETS = ("engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
 DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
 FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
+DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
 
 
 def add_calibrate_command(sub) -> None:
@@ -204,7 +206,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         residuals=result.residuals(), roofline_residuals=result.initial,
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
-        probe_wall_s=round(probe_wall, 2),
+        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {},
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.kv_split})
 
 
@@ -236,9 +238,21 @@ def format_profile(profile: CalibrationProfile) -> str:
                for name, value in c.to_dict().items() if name != "block_overhead_tokens"),
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
+             *_drift_lines(profile.drift),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
     for kind, r in profile.residuals.items():
         u = profile.roofline_residuals.get(kind, {})
         lines.append(f"  {kind:<10} n={r['n']:<3}                   {r['rms']:6.1%} {r['max']:6.1%} "
                      f"{r['bias']:+6.1%}          {u.get('rms', float('nan')):7.1%} {u.get('max', float('nan')):7.1%}")
     return "\n".join(lines)
+
+
+def _drift_lines(drift: dict) -> list[str]:
+    if not drift:
+        return []
+    line = (f"  server speed          {drift['probe']}: ITL {drift['first_s'] * 1e3:.3f} ms first, "
+            f"{drift['last_s'] * 1e3:.3f} ms last ({drift['change']:+.1%})")
+    if abs(drift["change"]) <= DRIFT_WARN:
+        return [line]
+    return [line, f"  warning: the server's speed moved {drift['change']:+.0%} while it was probed (other work on "
+                  "its machine?); the fit averages over that, so calibrate again when the machine is quiet"]

@@ -28,6 +28,11 @@ TTFT probe also reads it, from /metrics before and after the request: the same
 steps without the client overhead, which tells an engine's per-prefill cost apart
 from the HTTP path's (in a TTFT alone they only ever add up).
 
+The plan starts and ends with the same decode probe (B=4, or the largest batch
+allowed below that): both are fitted, and the second against the first
+(`speed_drift`) says how much the server's speed moved while it was probed, which
+a fit cannot tell from the cost model's own misfit.
+
 Every prompt is fresh random token ids (except the shared prefixes), so no
 probe hits another's cached blocks. Requests look like the load generator's
 (streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
@@ -185,6 +190,9 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
         batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
     for b in batches:
         probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b))
+    drift_check = Probe("decode", f"decode B={min(4, max_batch)} (drift check)", decode_len, decode_tokens, (ITL,),
+                        batch=min(4, max_batch))
+    probes.insert(0, drift_check)
     room = pool_tokens if pool_tokens else max_model_len * max_batch
     contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
     for length in contexts:
@@ -208,7 +216,17 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
             length = min(length, longest)
             probes.append(Probe("loaded", f"loaded B={b} L={length}", length, 1, (TTFT, ITL),
                                 repeats=LOADED_ARRIVALS, background=b, background_len=bg_len))
+    probes.append(drift_check)
     return ProbePlan(probes)
+
+
+def speed_drift(runs: list["ProbeRun"]) -> dict | None:
+    """The plan's closing probe against its opening one, where they are the same
+    (design_probes' drift check): their ITLs and the relative change."""
+    if len(runs) < 2 or runs[0].probe != runs[-1].probe or ITL not in runs[0].probe.measures:
+        return None
+    first, last = runs[0].measured(ITL), runs[-1].measured(ITL)
+    return {"probe": runs[0].probe.label, "first_s": first, "last_s": last, "change": last / first - 1.0}
 
 
 def probe_prompts(probe: Probe, rng: np.random.Generator) -> tuple[list[int] | None, list[list[int]]]:

@@ -40,6 +40,7 @@ class CalibrationProfile:
     roofline_residuals: dict = field(default_factory=dict)  # the same for the uncalibrated roofline
     observations: list[dict] = field(default_factory=list)  # label, kind, measure, measured_s, predicted_s
     probe_wall_s: float = 0.0
+    drift: dict = field(default_factory=dict)  # probes.speed_drift: the server's speed, first probe to last
     fit: dict = field(default_factory=dict)  # cost, nfev, message
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: int = PROFILE_VERSION
