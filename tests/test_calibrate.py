@@ -65,12 +65,12 @@ def close(fitted: CostCoefficients, known: CostCoefficients, tol: float) -> dict
 
 # ---------------------------------------------------------------- the fit alone (virtual time)
 
-def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False):
+def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False, specs=(MODEL, DEVICE)):
     """What the plan's probes would measure on an engine stepping exactly by `coeffs`,
     each token reaching the client `client_s` late (`busy_s` for requests arriving at a
     busy engine, in the middle of a step), with the engine's own prefill times if asked:
     ProbeRuns without any HTTP."""
-    model, device = model_preset(MODEL), device_preset(DEVICE)
+    model, device = model_preset(specs[0]), device_preset(specs[1])
     rng = np.random.default_rng(1)
     runs = []
     for probe in plan.probes:
@@ -149,6 +149,28 @@ def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, busy_arriva
     assert residuals["all"]["max"] < 0.01
     assert residuals["all"]["n"] == len(observations)
     assert result.initial["all"]["rms"] > 0.2  # the roofline's defaults are far off these timings
+    # A GPU's decodes are bound by their K/V reads: no second attention share is made up.
+    assert result.coefficients.decode_attention_efficiency is None
+
+
+def test_fit_prices_the_decodes_attention_apart_where_it_shows():
+    # A CPU's shape: compute-bound decodes whose paged attention runs at half the prefill's share.
+    known = CostCoefficients(memory_efficiency=20.0, compute_efficiency=1.2, attention_efficiency=0.7,
+                             decode_attention_efficiency=0.35, step_overhead_s=2e-3, per_seq_overhead_s=1.5e-4)
+    model, device = model_preset("tiny"), device_preset("cpu")
+    # A pool the probes fit in (the CPU preset's memory would hold millions of tiny blocks).
+    config = EngineConfig(max_model_len=4096, num_gpu_blocks_override=8192).resolve(model, device)
+    plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
+    runs = virtual_runs(plan, known, 4e-3, 5e-3, config, True, specs=("tiny", "cpu"))
+    shapes, observations = step_shapes(runs, model, device, config)
+    result = fit_coefficients(shapes, observations, model, device, "auto", 16)
+    fitted = result.coefficients
+    assert fitted.decode_attention_efficiency == pytest.approx(0.35, rel=0.02)
+    assert fitted.kv_memory_efficiency is None  # the K/V reads do not stand in for it
+    # Every term that shows in a step is recovered (the weights' reads never do here).
+    for name in ("compute_efficiency", "attention_efficiency", "step_overhead_s", "per_seq_overhead_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(known, name), rel=0.02), name
+    assert result.residuals()["all"]["max"] < 0.01
 
 
 def test_probe_plan_is_bounded_and_fits_the_context():

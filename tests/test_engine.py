@@ -1,4 +1,6 @@
 """LLMEngine with the sim executor in virtual time: numbers checkable by hand."""
+import dataclasses
+
 import pytest
 
 from kvengine.config import EngineConfig, device_preset, model_preset
@@ -98,6 +100,19 @@ def test_logits_cost_only_where_a_token_is_sampled():
     mid_chunk, last_chunk = cost.step_time(1024, 1, 1024, 0, 0), cost.step_time(1024, 1, 1024, 0, 1)
     assert last_chunk - mid_chunk == pytest.approx(head)
     assert cost.flops_per_token == pytest.approx(2 * (tiny.num_params - 2 * 32000 * 256))
+
+
+def test_decode_attention_has_its_own_efficiency_where_one_is_given():
+    tiny = model_preset("tiny")
+    shared = CostCoefficients(memory_efficiency=1e6)  # compute-bound: attention shows
+    apart = dataclasses.replace(shared, decode_attention_efficiency=shared.attention_efficiency / 2)
+    # 8 decodes over 1000-token contexts beside a 100-token prefill chunk.
+    shape = (108, 9, 8 * 1000 + 100, 8 * 1000 + 100 * 101 // 2, 9, 1, 0)
+    one = StepCost.build(tiny, DEVICE, "auto", 16, shared)
+    assert one.step_time(*shape, 8 * 1000) == pytest.approx(one.step_time(*shape))  # tied: same time
+    two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
+    decode_attention = 8 * 1000 * two.attention_flops_per_pair / two.attention_flops_per_s
+    assert two.step_time(*shape, 8 * 1000) - one.step_time(*shape) == pytest.approx(decode_attention)
 
 
 def test_fp8_and_block_size_move_the_step_time_the_right_way():

@@ -22,6 +22,9 @@ from .config import DeviceSpec, ModelSpec
 from .memory import kv_bytes_per_token
 
 
+OPTIONAL = ("kv_memory_efficiency", "decode_attention_efficiency")  # None: share another's value
+
+
 @dataclass(frozen=True)
 class CostCoefficients:
     memory_efficiency: float = 0.80  # achieved share of HBM bandwidth
@@ -41,13 +44,17 @@ class CostCoefficients:
     # Share of HBM bandwidth the paged K/V reads reach, when it differs from the weights'
     # (gathers through block tables, padded batches); None: memory_efficiency.
     kv_memory_efficiency: float | None = None
+    # Share of peak the decode attention (one query per sequence against its paged context)
+    # reaches, when it differs from the prefill's: another kernel (a paged decode kernel
+    # beside a flash-attention prefill); None: attention_efficiency.
+    decode_attention_efficiency: float | None = None
 
     def __post_init__(self):
         """Efficiencies are shares > 0, the rest non-negative: a profile file or a
         stored fit with anything else would make the sim's clock run backwards."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name == "kv_memory_efficiency":
+            if value is None and f.name in OPTIONAL:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
@@ -73,6 +80,7 @@ class StepCost:
     bytes_per_s: float
     flops_per_s: float
     attention_flops_per_s: float
+    decode_attention_flops_per_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
@@ -101,6 +109,8 @@ class StepCost:
             bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
             flops_per_s=device.bf16_flops * c.compute_efficiency,
             attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
+            decode_attention_flops_per_s=device.bf16_flops * (c.attention_efficiency if c.decode_attention_efficiency
+                                                              is None else c.decode_attention_efficiency),
             step_overhead_s=c.step_overhead_s,
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
@@ -109,19 +119,21 @@ class StepCost:
 
     def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
                   attention_token_pairs: int, num_samples: int | None = None,
-                  num_prefills: int = 0, num_busy_arrivals: int = 0) -> float:
+                  num_prefills: int = 0, num_busy_arrivals: int = 0, decode_token_pairs: int = 0) -> float:
         """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
         requests whose contexts (after the step) sum to `context_tokens`;
         `attention_token_pairs` the causal (query, key) pairs (scheduler.causal_pairs);
         `num_samples` the requests that sample a token (default: all of them);
         `num_prefills` the requests computing a prefill chunk (more than one token);
-        `num_busy_arrivals` the requests admitted into a step beside running ones."""
+        `num_busy_arrivals` the requests admitted into a step beside running ones;
+        `decode_token_pairs` the part of the pairs that decodes compute (each its context)."""
         if num_tokens == 0:
             return 0.0
         samples = num_seqs if num_samples is None else num_samples
         mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
                + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
-                   + attention_token_pairs * self.attention_flops_per_pair / self.attention_flops_per_s)
+                   + ((attention_token_pairs - decode_token_pairs) / self.attention_flops_per_s
+                      + decode_token_pairs / self.decode_attention_flops_per_s) * self.attention_flops_per_pair)
         return (max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)

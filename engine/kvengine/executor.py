@@ -47,13 +47,18 @@ class SimExecutor:
         return self.cost.step_time(*shape)
 
 
+SHAPE_FIELDS = 8  # the length of a step_shape
+
+
 def step_shape(out: SchedulerOutput, sampled: list[int | None]) -> tuple[int, ...]:
     """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
     attention pairs, sampled tokens, prefill chunks (requests computing more than one token),
-    requests arriving beside running ones (admitted for the first time, not resumed)."""
+    requests arriving beside running ones (admitted for the first time, not resumed), and
+    the decodes' attention pairs (one query against its context, after the step)."""
     admitted = out.scheduled[len(out.scheduled) - out.num_new_reqs:]
     busy = len(out.scheduled) > out.num_new_reqs
     return (out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
             sum(1 for token in sampled if token is not None),
             sum(1 for n in out.num_new_tokens if n > 1),
-            sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0)
+            sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0,
+            sum(req.num_computed_tokens for req, n in zip(out.scheduled, out.num_new_tokens) if n == 1))

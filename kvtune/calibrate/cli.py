@@ -41,6 +41,7 @@ TARGETS = ("engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
 DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
 FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
+TIED_TO = {"kv_memory_efficiency": "memory_efficiency", "decode_attention_efficiency": "attention_efficiency"}
 DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
 
 
@@ -234,7 +235,7 @@ def format_profile(profile: CalibrationProfile) -> str:
     lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
              + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
              f"in {profile.probe_wall_s:.0f} s of probes",
-             *(f"  {name:<24}{value:10.4g}" if value is not None else f"  {name:<24}    (= memory_efficiency)"
+             *(f"  {name:<24}{value:10.4g}" if value is not None else f"  {name:<24}    (= {TIED_TO[name]})"
                for name, value in c.to_dict().items() if name != "block_overhead_tokens"),
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),

@@ -26,7 +26,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
-from kvengine.executor import SimExecutor
+from kvengine.executor import SHAPE_FIELDS, SimExecutor
 from kvengine.request import SamplingParams
 from scipy.optimize import least_squares
 
@@ -35,13 +35,15 @@ from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
 KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit_coefficients`)
+DECODE_ATTN = "decode_attention_efficiency"  # the same
 CLIENT = "client_overhead_s"  # on a request reaching an idle server
 CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
 BUSY_ARRIVAL = "busy_arrival_overhead_s"  # fitted where the server reports its prefill times
 # Bounds of each fitted value (the efficiencies are shares of the device preset's
 # peak; a CPU preset is a rough guess, so they may land far from 1).
 BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
-          "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), "step_overhead_s": (1e-7, 10.0),
+          "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), DECODE_ATTN: (1e-5, 1e3),
+          "step_overhead_s": (1e-7, 10.0),
           "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0),
           "busy_arrival_overhead_s": (1e-10, 1.0),
           CLIENT: (1e-7, 10.0), CLIENT_BUSY: (1e-7, 10.0)}
@@ -113,7 +115,7 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
             client = ("busy" if run.probe.background else "idle") if measure == TTFT else None
             observations.append(Observation(run.probe.kind, run.probe.label, measure, run.measured(measure),
                                             index[chosen], weights, client, run.spread(measure)))
-    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, 7)
+    shapes = np.array(sorted(table, key=table.get), dtype=float).reshape(-1, SHAPE_FIELDS)
     return shapes, observations
 
 
@@ -185,7 +187,8 @@ def _replay_loaded(run: ProbeRun, model, device, cfg):
 
 def coefficients_from(values: dict, base: CostCoefficients | None = None) -> CostCoefficients:
     base = base or CostCoefficients()
-    return dataclasses.replace(base, **{k: float(v) for k, v in values.items() if k in FITTED or k == KV})
+    return dataclasses.replace(base, **{k: float(v) for k, v in values.items()
+                                        if k in FITTED or k in (KV, DECODE_ATTN)})
 
 
 def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -253,7 +256,9 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
     fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
     free extra coefficient would only trade the weights' read time against the step
-    overhead, so the split fit keeps the shared fit's weight bandwidth)."""
+    overhead, so the split fit keeps the shared fit's weight bandwidth). The decodes'
+    attention share (decode_attention_efficiency) then shares the prefills' on the same
+    terms."""
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     if len(obs) < len(FITTED) + 1:
@@ -263,7 +268,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         clients = [CLIENT] + ([CLIENT_BUSY] if any(o.client == "busy" for o in obs) else [])
     measured = np.array([o.measured_s for o in obs])
     scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
-    tied = dataclasses.replace(base, kv_memory_efficiency=None)
+    tied = dataclasses.replace(base, kv_memory_efficiency=None, decode_attention_efficiency=None)
 
     def solve(names: list[str], starts, fixed: CostCoefficients = tied) -> tuple:
         lo = np.log([BOUNDS[n][0] for n in names])
@@ -295,32 +300,54 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     # client overhead, and a busy arrival's overhead would slide along that line with them.
     timed = any(o.measure == PREFILL_TIME for o in obs)
     names = [n for n in (*FITTED, *clients) if timed or n != BUSY_ARRIVAL]
-    best, coeffs, client, busy = solve(names, _starts(base, obs))
-    shared = {**coeffs.to_dict(), CLIENT: client, CLIENT_BUSY: busy}
-    # The split keeps the weights' bandwidth share of the shared fit: on memory-bound steps
-    # the weights' read time and the step overhead are one constant, and freed together they
-    # slide along that valley wherever the timings are noisy.
-    weights_fixed = dataclasses.replace(tied, memory_efficiency=coeffs.memory_efficiency)
-    split = solve([n for n in names if n != "memory_efficiency"] + [KV],
-                  [{**shared, KV: coeffs.memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)],
-                  weights_fixed)
-    if split[0].cost < kv_split_gain * best.cost:
+    shared = solve(names, _starts(base, obs))
+
+    def values(fit) -> dict:
+        return {**fit[1].to_dict(), CLIENT: fit[2], CLIENT_BUSY: fit[3]}
+
+    def split_kv(names, fixed, fit):
+        # The split keeps the weights' bandwidth share of the fit it starts from: on
+        # memory-bound steps the weights' read time and the step overhead are one constant,
+        # and freed together they slide along that valley wherever the timings are noisy.
+        fixed = dataclasses.replace(fixed, memory_efficiency=fit[1].memory_efficiency)
+        free = [n for n in names if n != "memory_efficiency"] + [KV]
+        starts = [{**values(fit), KV: fit[1].memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)]
+        return free, fixed, solve(free, starts, fixed)
+
+    def split_decode(names, fixed, fit):
+        # A paged decode kernel and a flash-attention prefill reach different shares of
+        # peak on a CPU; on a GPU the decodes' attention hides under their K/V reads.
+        free = [*names, DECODE_ATTN]
+        starts = [{**values(fit), DECODE_ATTN: fit[1].attention_efficiency * f} for f in (1.0, 0.3, 3.0, 0.1)]
+        return free, fixed, solve(free, starts, fixed)
+
+    kv = split_kv(names, tied, shared)
+    if kv[2][0].cost < kv_split_gain * shared[0].cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
-        found = {**split[1].to_dict(), CLIENT: split[2], CLIENT_BUSY: split[3]}
+        found = values(kv[2])
         retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
-        if retry[0].cost < best.cost:
-            best, coeffs, client, busy = retry
-    choice = {"shared_cost": float(best.cost), "split_cost": float(split[0].cost)}
-    if split[0].cost < kv_split_gain * best.cost:
-        best, coeffs, client, busy = split
+        if retry[0].cost < shared[0].cost:
+            shared = retry
+    decode = split_decode(names, tied, shared)
+    costs = {"shared_cost": float(shared[0].cost), "split_cost": float(kv[2][0].cost),
+             "decode_attention_split_cost": float(decode[2][0].cost)}
+    # Each split is taken only where it cuts the cost below kv_split_gain of the fit
+    # without it: the better of the two first, then the other on top of it.
+    chosen, rest = min((kv, split_decode), (decode, split_kv), key=lambda c: c[0][2][0].cost)
+    fit = shared
+    if chosen[2][0].cost < kv_split_gain * shared[0].cost:
+        both = rest(*chosen)
+        costs["both_split_cost"] = float(both[2][0].cost)
+        fit = both[2] if both[2][0].cost < kv_split_gain * chosen[2][0].cost else chosen[2]
+    best, coeffs, client, busy = fit
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
     for o, p in zip(obs, predict(obs, times, client, busy)):
         o.predicted_s = float(p)
     roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
     initial = residual_summary(obs, predict(obs, roofline, 0.0))
     return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
-                     initial, choice)
+                     initial, costs)
 
 
 def _starts(base: CostCoefficients, obs: list[Observation]):

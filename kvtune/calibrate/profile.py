@@ -69,6 +69,8 @@ class CalibrationProfile:
                 f"memory_efficiency {c.memory_efficiency:.4g}, compute_efficiency {c.compute_efficiency:.4g}, "
                 f"attention_efficiency {c.attention_efficiency:.4g}, "
                 + (f"kv_memory_efficiency {c.kv_memory_efficiency:.4g}, " if c.kv_memory_efficiency is not None else "")
+                + (f"decode_attention_efficiency {c.decode_attention_efficiency:.4g}, "
+                   if c.decode_attention_efficiency is not None else "")
                 + f"step_overhead {c.step_overhead_s * 1e3:.3g} ms, "
                 f"per_seq_overhead {c.per_seq_overhead_s * 1e6:.3g} us, "
                 f"per_prefill_overhead {c.per_prefill_overhead_s * 1e6:.3g} us, "
