@@ -5,7 +5,8 @@ gathers only its tokens' rows) and the K/V of every scheduled request's context
 at the KV dtype's bytes per element, writes the new tokens' K/V, and does
 2 * (non-embedding params) FLOPs per token, plus the lm_head's 2 * vocab *
 hidden per sampled token (logits are computed only where a token is sampled:
-a prefill chunk's last row, each decode), plus the attention FLOPs. Its time is
+a prefill chunk's last row, each decode), plus the attention FLOPs (a decode's at
+their own share of peak where the coefficients give one). Its time is
 max(memory time, compute time) + a fixed per-step overhead + a per-sequence
 overhead. Small blocks read K/V less efficiently (more block-table lookups
 and partial tiles per byte), which is how block_size enters.
