@@ -53,6 +53,7 @@ from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
 PREFILL_TIME = "prefill_time"  # the server's own: first scheduled to first token
+DECODE_REPEATS = 3  # trials of each decode probe
 LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
 LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
 PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
@@ -188,10 +189,13 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
     if quick:
         batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
+    # Three trials each (their median): a decode probe lasts a fraction of a second, and one
+    # hiccup of a shared machine in it moved a whole batch size's ITL by 20%.
     for b in batches:
-        probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b))
+        probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b,
+                            repeats=DECODE_REPEATS))
     drift_check = Probe("decode", f"decode B={min(4, max_batch)} (drift check)", decode_len, decode_tokens, (ITL,),
-                        batch=min(4, max_batch))
+                        batch=min(4, max_batch), repeats=DECODE_REPEATS)
     probes.insert(0, drift_check)
     room = pool_tokens if pool_tokens else max_model_len * max_batch
     contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
