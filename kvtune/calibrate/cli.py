@@ -208,7 +208,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
         probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {},
-        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.kv_split})
+        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
 
 
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
@@ -255,5 +255,6 @@ def _drift_lines(drift: dict) -> list[str]:
             f"{drift['last_s'] * 1e3:.3f} ms last ({drift['change']:+.1%})")
     if abs(drift["change"]) <= DRIFT_WARN:
         return [line]
-    return [line, f"  warning: the server's speed moved {drift['change']:+.0%} while it was probed (other work on "
-                  "its machine?); the fit averages over that, so calibrate again when the machine is quiet"]
+    warning = (f"  warning: the server's speed moved {drift['change']:+.0%} while it was probed (other work on "
+               "its machine?); the fit averages over that, so calibrate again when the machine is quiet")
+    return [line, warning]

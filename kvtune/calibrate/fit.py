@@ -214,7 +214,7 @@ class FitResult:
     nfev: int
     message: str
     initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
-    kv_split: dict = field(default_factory=dict)  # the costs with K/V bandwidth shared and apart
+    split_costs: dict = field(default_factory=dict)  # the costs without the optional splits, with each, with both
 
     def residuals(self) -> dict:
         return residual_summary(self.observations)
@@ -242,7 +242,7 @@ def _kind_order(kind: str) -> int:
 def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
                      kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
                      fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
-                     kv_split_gain: float = 0.85) -> FitResult:
+                     split_gain: float = 0.85) -> FitResult:
     """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
     relative errors of the predicted timings; `base` supplies the fixed coefficients
     (block_overhead_tokens) and the first start.
@@ -253,7 +253,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     everywhere.
 
     The K/V reads' bandwidth share (kv_memory_efficiency) first shares the weights'; it
-    is fitted apart only when that cuts the cost below `kv_split_gain` of the shared
+    is fitted apart only when that cuts the cost below `split_gain` of the shared
     fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
     free extra coefficient would only trade the weights' read time against the step
     overhead, so the split fit keeps the shared fit's weight bandwidth). The decodes'
@@ -322,7 +322,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         return free, fixed, solve(free, starts, fixed)
 
     kv = split_kv(names, tied, shared)
-    if kv[2][0].cost < kv_split_gain * shared[0].cost:
+    if kv[2][0].cost < split_gain * shared[0].cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
         found = values(kv[2])
@@ -332,14 +332,14 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     decode = split_decode(names, tied, shared)
     costs = {"shared_cost": float(shared[0].cost), "split_cost": float(kv[2][0].cost),
              "decode_attention_split_cost": float(decode[2][0].cost)}
-    # Each split is taken only where it cuts the cost below kv_split_gain of the fit
+    # Each split is taken only where it cuts the cost below split_gain of the fit
     # without it: the better of the two first, then the other on top of it.
     chosen, rest = min((kv, split_decode), (decode, split_kv), key=lambda c: c[0][2][0].cost)
     fit = shared
-    if chosen[2][0].cost < kv_split_gain * shared[0].cost:
+    if chosen[2][0].cost < split_gain * shared[0].cost:
         both = rest(*chosen)
         costs["both_split_cost"] = float(both[2][0].cost)
-        fit = both[2] if both[2][0].cost < kv_split_gain * chosen[2][0].cost else chosen[2]
+        fit = both[2] if both[2][0].cost < split_gain * chosen[2][0].cost else chosen[2]
     best, coeffs, client, busy = fit
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
     for o, p in zip(obs, predict(obs, times, client, busy)):

@@ -224,7 +224,7 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     return ProbePlan(probes)
 
 
-def speed_drift(runs: list["ProbeRun"]) -> dict | None:
+def speed_drift(runs: list[ProbeRun]) -> dict | None:
     """The plan's closing probe against its opening one, where they are the same
     (design_probes' drift check): their ITLs and the relative change."""
     if len(runs) < 2 or runs[0].probe != runs[-1].probe or ITL not in runs[0].probe.measures:
