@@ -23,7 +23,8 @@ from .config import DeviceSpec, ModelSpec
 from .memory import kv_bytes_per_token
 
 
-OPTIONAL = ("kv_memory_efficiency", "decode_attention_efficiency")  # None: share another's value
+# The coefficients that may be None: then they take the value of the one named here.
+TIED_TO = {"kv_memory_efficiency": "memory_efficiency", "decode_attention_efficiency": "attention_efficiency"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class CostCoefficients:
         stored fit with anything else would make the sim's clock run backwards."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None and f.name in OPTIONAL:
+            if value is None and f.name in TIED_TO:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
@@ -66,6 +67,11 @@ class CostCoefficients:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def resolved(self, name: str) -> float:
+        """The coefficient's value, or the one it is tied to (TIED_TO) where it is None."""
+        value = getattr(self, name)
+        return getattr(self, TIED_TO[name]) if value is None else value
 
 
 @dataclass(frozen=True)
@@ -93,8 +99,8 @@ class StepCost:
         c = coeffs or CostCoefficients()
         kv_token = kv_bytes_per_token(model, kv_cache_dtype)
         block_eff = block_size / (block_size + c.block_overhead_tokens)
-        if c.kv_memory_efficiency is not None:  # slower (or faster) K/V reads: more (fewer) bytes at the same rate
-            block_eff *= c.kv_memory_efficiency / c.memory_efficiency
+        # slower (or faster) K/V reads than the weights': more (fewer) bytes at the same rate
+        block_eff *= c.resolved("kv_memory_efficiency") / c.memory_efficiency
         # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add, per query head and layer.
         attn_pair = 4.0 * model.num_heads * model.head_dim * model.num_layers
         vocab_matrix = model.vocab_size * model.hidden_size
@@ -110,8 +116,7 @@ class StepCost:
             bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
             flops_per_s=device.bf16_flops * c.compute_efficiency,
             attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
-            decode_attention_flops_per_s=device.bf16_flops * (c.attention_efficiency if c.decode_attention_efficiency
-                                                              is None else c.decode_attention_efficiency),
+            decode_attention_flops_per_s=device.bf16_flops * c.resolved("decode_attention_efficiency"),
             step_overhead_s=c.step_overhead_s,
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,

@@ -61,4 +61,4 @@ def step_shape(out: SchedulerOutput, sampled: list[int | None]) -> tuple[int, ..
             sum(1 for token in sampled if token is not None),
             sum(1 for n in out.num_new_tokens if n > 1),
             sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0,
-            sum(req.num_computed_tokens for req, n in zip(out.scheduled, out.num_new_tokens) if n == 1))
+            out.decode_token_pairs)

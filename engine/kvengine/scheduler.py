@@ -35,6 +35,7 @@ class SchedulerOutput:
     # Cost-model inputs, summed over the batch while scheduling (context = after the step).
     context_tokens: int = 0
     attention_token_pairs: int = 0  # (query, key) pairs a causal kernel computes; see causal_pairs
+    decode_token_pairs: int = 0  # the part of them one-token queries (decodes) compute: their contexts
 
 
 class Scheduler:
@@ -88,7 +89,7 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         limit = self.max_model_len - 1  # room for the sampled token
         scheduled, num_new = out.scheduled, out.num_new_tokens
-        total = context = pairs = 0
+        total = context = pairs = decode_pairs = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -116,6 +117,8 @@ class Scheduler:
                 total += n
                 context += ctx
                 pairs += causal_pairs(n, ctx)
+                if n == 1:
+                    decode_pairs += ctx
                 budget -= n
                 i += 1
                 continue
@@ -123,6 +126,7 @@ class Scheduler:
         out.total_tokens += total
         out.context_tokens += context
         out.attention_token_pairs += pairs
+        out.decode_token_pairs += decode_pairs
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -158,6 +162,8 @@ class Scheduler:
         out.total_tokens += n
         out.context_tokens += ctx
         out.attention_token_pairs += causal_pairs(n, ctx)
+        if n == 1:
+            out.decode_token_pairs += ctx
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

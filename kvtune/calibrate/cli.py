@@ -12,7 +12,7 @@ import sys
 import time
 
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients
+from kvengine.cost import TIED_TO, CostCoefficients
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
 from ..store import Store, add_db_argument, resolve_db_url
@@ -41,7 +41,6 @@ TARGETS = ("engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
 DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
 FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
-TIED_TO = {"kv_memory_efficiency": "memory_efficiency", "decode_attention_efficiency": "attention_efficiency"}
 DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
 
 

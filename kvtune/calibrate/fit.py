@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from kvengine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.cost import CostCoefficients, StepCost
+from kvengine.cost import TIED_TO, CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
 from kvengine.executor import SHAPE_FIELDS, SimExecutor
 from kvengine.request import SamplingParams
@@ -268,7 +268,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         clients = [CLIENT] + ([CLIENT_BUSY] if any(o.client == "busy" for o in obs) else [])
     measured = np.array([o.measured_s for o in obs])
     scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
-    tied = dataclasses.replace(base, kv_memory_efficiency=None, decode_attention_efficiency=None)
+    tied = dataclasses.replace(base, **dict.fromkeys(TIED_TO))
 
     def solve(names: list[str], starts, fixed: CostCoefficients = tied) -> tuple:
         lo = np.log([BOUNDS[n][0] for n in names])
