@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients
+from kvengine.cost import CostCoefficients, torch_attention_kernel
 from kvengine.engine import LLMEngine
 from kvengine.request import SamplingParams
 
@@ -154,23 +154,32 @@ def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, busy_arriva
 
 
 def test_fit_prices_the_decodes_attention_apart_where_it_shows():
-    # A CPU's shape: compute-bound decodes whose paged attention runs at half the prefill's share.
-    known = CostCoefficients(memory_efficiency=20.0, compute_efficiency=1.2, attention_efficiency=0.7,
-                             decode_attention_efficiency=0.35, step_overhead_s=2e-3, per_seq_overhead_s=1.5e-4)
+    # A CPU's shape: compute-bound decodes whose paged attention runs at half the prefill's
+    # share, and prefills through torch's CPU flash attention (whole 512-key blocks).
+    kernel = CostCoefficients(**torch_attention_kernel("cpu"))
+    known = dataclasses.replace(kernel, memory_efficiency=20.0, compute_efficiency=1.2, attention_efficiency=0.7,
+                                decode_attention_efficiency=0.35, step_overhead_s=2e-3, per_seq_overhead_s=1.5e-4)
     model, device = model_preset("tiny"), device_preset("cpu")
     # A pool the probes fit in (the CPU preset's memory would hold millions of tiny blocks).
     config = EngineConfig(max_model_len=4096, num_gpu_blocks_override=8192).resolve(model, device)
     plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
     runs = virtual_runs(plan, known, 4e-3, 5e-3, config, True, specs=("tiny", "cpu"))
-    shapes, observations = step_shapes(runs, model, device, config)
-    result = fit_coefficients(shapes, observations, model, device, "auto", 16)
+    shapes, observations = step_shapes(runs, model, device, config, kernel)
+    result = fit_coefficients(shapes, observations, model, device, "auto", 16, base=kernel)
     fitted = result.coefficients
+    assert (fitted.attention_key_block, fitted.context_chunk_all_keys) == (512, True)
     assert fitted.decode_attention_efficiency == pytest.approx(0.35, rel=0.02)
     assert fitted.kv_memory_efficiency is None  # the K/V reads do not stand in for it
     # Every term that shows in a step is recovered (the weights' reads never do here).
     for name in ("compute_efficiency", "attention_efficiency", "step_overhead_s", "per_seq_overhead_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(known, name), rel=0.02), name
-    assert result.residuals()["all"]["max"] < 0.01
+    # All but a loaded probe's ITL, whose window (a prefill's step among the decodes') the
+    # replay places to within about 1%.
+    assert result.residuals()["all"]["max"] < 0.015 and result.residuals()["prefill"]["max"] < 0.005
+    # Counted as causal pairs, the same timings leave the prefills up to 10% off.
+    shapes, observations = step_shapes(runs, model, device, config)
+    causal = fit_coefficients(shapes, observations, model, device, "auto", 16).residuals()
+    assert causal["prefill"]["max"] > 0.05 and causal["prefix"]["max"] > 0.05
 
 
 def test_probe_plan_is_bounded_and_fits_the_context():
@@ -275,6 +284,8 @@ def test_calibration_recovers_known_coefficients_from_a_live_sim_server(tmp_path
     # The drift check ran twice; a sim server's steps take their modelled time.
     assert profile.drift["probe"].endswith("(drift check)") and abs(profile.drift["change"]) < 0.25
     assert "server speed" in out
+    # A server of unknown kernels: its attention computes the causal pairs.
+    assert profile.coefficients.attention_key_block == 0 and "attention pairs       causal pairs only" in out
     # The stored coefficients drive the sim: its decode steps now take the server's time.
     sim = SimTarget(*profile.specs(), load_cost_profile(db, "known"))
     workload = synthesize(SynthSpec(num_requests=4, rate=100.0, input_len=parse_dist("32"),

@@ -3,8 +3,9 @@ import dataclasses
 
 import pytest
 
+from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients, StepCost
+from kvengine.cost import CostCoefficients, StepCost, torch_attention_kernel
 from kvengine.engine import LLMEngine
 from kvengine.request import PromptTooLongError, SamplingParams
 from kvengine.stats import request_timings
@@ -113,6 +114,30 @@ def test_decode_attention_has_its_own_efficiency_where_one_is_given():
     two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
     decode_attention = 8 * 1000 * two.attention_flops_per_pair / two.attention_flops_per_s
     assert two.step_time(*shape, 8 * 1000) - one.step_time(*shape) == pytest.approx(decode_attention)
+
+
+def test_the_sim_counts_attention_pairs_as_the_servers_kernel_does():
+    """A prefill through torch's CPU flash attention computes whole 512-key blocks: a
+    512-token prompt pays for 512 x 512 pairs, not the causal half of them."""
+    tiny = model_preset("tiny")
+    causal = CostCoefficients(memory_efficiency=1e6)  # compute-bound: attention shows
+    blocked = dataclasses.replace(causal, **torch_attention_kernel("cpu"))
+
+    def prefill_time(coeffs):
+        engine = LLMEngine(EngineConfig(), tiny, DEVICE, clock=VirtualClock(), cost_coefficients=coeffs)
+        engine.add_request("r", list(range(1000, 1512)), SamplingParams(max_tokens=1, ignore_eos=True))
+        engine.step()
+        return engine.clock.now, StepCost.build(tiny, DEVICE, "auto", 16, coeffs)
+
+    (t_causal, cost), (t_blocked, _) = prefill_time(causal), prefill_time(blocked)
+    wasted = 512 * 512 - 512 * 513 // 2  # the diagonal block's masked half
+    assert t_blocked - t_causal == pytest.approx(wasted * cost.attention_flops_per_pair / cost.attention_flops_per_s)
+    with pytest.raises(ValueError, match="attention_key_block must be a whole number of keys, got 1.5"):
+        CostCoefficients(attention_key_block=1.5)
+    with pytest.raises(ValueError, match="attention_key_block must be >= 0, got -1"):
+        CostCoefficients(attention_key_block=-1)
+    with pytest.raises(ValueError, match="context_chunk_all_keys must be true or false, got 'yes'"):
+        CostCoefficients(context_chunk_all_keys="yes")
 
 
 def test_fp8_and_block_size_move_the_step_time_the_right_way():

@@ -6,7 +6,7 @@ import pytest
 from kvengine.blocks import KVCacheManager
 from kvengine.config import EngineConfig
 from kvengine.request import Request, RequestStatus, SamplingParams
-from kvengine.scheduler import Scheduler
+from kvengine.scheduler import Scheduler, causal_pairs, kernel_pairs
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, **kw):
@@ -154,3 +154,23 @@ def test_prefix_stats_count_new_requests_in_tokens(caching):
         assert (stats.requests, stats.queries, stats.hits) == (3, 30, 16)
     else:
         assert (stats.requests, stats.queries, stats.hits) == (0, 0, 0)
+
+
+def test_kernel_pairs_count_whole_key_blocks_up_to_each_querys_diagonal():
+    assert kernel_pairs(300, 1000, 0) == causal_pairs(300, 1000)  # no blocks: the causal pairs
+    assert kernel_pairs(512, 512, 512) == 512 * 512  # one block: every query computes all of it
+    # 768 fresh tokens: the first 512 queries compute block one, the last 256 both blocks.
+    assert kernel_pairs(768, 768, 512) == 512 * 512 + 256 * 768
+    # After 1000 tokens of context: 24 queries end in block one, 232 in block two (of 1256 keys).
+    assert kernel_pairs(256, 1256, 512) == 24 * 1024 + 232 * 1256
+    assert kernel_pairs(256, 1256, 512, all_keys_after_context=True) == 256 * 1256
+    assert kernel_pairs(256, 256, 512, all_keys_after_context=True) == 256 * 256  # no context before it
+    for ctx in (1, 511, 512, 513, 4000):  # a decode attends to its context, blocked or not
+        assert kernel_pairs(1, ctx, 512) == kernel_pairs(1, ctx, 512, True) == ctx
+    rng = random.Random(0)
+    for _ in range(200):
+        ctx = rng.randint(1, 5000)
+        n, block = rng.randint(1, ctx), rng.choice((16, 64, 128, 512))
+        assert causal_pairs(n, ctx) <= kernel_pairs(n, ctx, block) <= n * ctx
+        assert kernel_pairs(n, ctx, block) == sum(min(ctx, -(-(p + 1) // block) * block)
+                                                  for p in range(ctx - n, ctx))

@@ -50,6 +50,16 @@ class CostCoefficients:
     # reaches, when it differs from the prefill's: another kernel (a paged decode kernel
     # beside a flash-attention prefill); None: attention_efficiency.
     decode_attention_efficiency: float | None = None
+    # How the prefill's attention kernel counts its (query, key) pairs (scheduler.kernel_pairs).
+    # Keys per block: a flash-attention kernel computes whole blocks, so each query attends up
+    # to the end of the key block holding its diagonal, the rest of that block computed, then
+    # masked. 0: only the causal pairs. torch's CPU flash attention takes keys 512 at a time,
+    # which nearly doubles a 512-token prefill's attention; a GPU's 64-128-key blocks waste little.
+    attention_key_block: int = 0
+    # Whether a chunk after earlier context attends to all its keys: the torch executor hands
+    # sdpa such a chunk's causal mask as an explicit mask, which turns its block skipping off
+    # (vLLM's varlen kernels skip there as well).
+    context_chunk_all_keys: bool = False
 
     def __post_init__(self):
         """Efficiencies are shares > 0, the rest non-negative: a profile file or a
@@ -58,6 +68,12 @@ class CostCoefficients:
             value = getattr(self, f.name)
             if value is None and f.name in TIED_TO:
                 continue
+            if f.name == "context_chunk_all_keys":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.name} must be true or false, got {value!r}")
+                continue
+            if f.name == "attention_key_block" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be a whole number of keys, got {value!r}")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{f.name} must be a finite number, got {value!r}")
             if f.name.endswith("efficiency") and value <= 0:
@@ -72,6 +88,19 @@ class CostCoefficients:
         """The coefficient's value, or the one it is tied to (TIED_TO) where it is None."""
         value = getattr(self, name)
         return getattr(self, TIED_TO[name]) if value is None else value
+
+
+# How the torch executor's prefill attention (model.Attention._prefill: sdpa) counts its pairs,
+# by device kind. On a CPU, torch's flash attention takes keys 512 at a time (its kv split);
+# on CUDA, FlashAttention-2 takes 64-128 by head size. A chunk after earlier context goes with
+# an explicit mask (model.prefill_mask), under which neither skips a block.
+TORCH_ATTENTION_KERNELS = {"cpu": {"attention_key_block": 512, "context_chunk_all_keys": True},
+                           "cuda": {"attention_key_block": 128, "context_chunk_all_keys": True}}
+
+
+def torch_attention_kernel(device: str) -> dict:
+    """TORCH_ATTENTION_KERNELS' entry for a torch device name ("cpu", "cuda", "cuda:1")."""
+    return TORCH_ATTENTION_KERNELS["cpu" if device == "cpu" else "cuda"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +121,8 @@ class StepCost:
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
     busy_arrival_overhead_s: float
+    attention_key_block: int  # these two as in CostCoefficients: step_shape counts the pairs with them
+    context_chunk_all_keys: bool
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -121,6 +152,8 @@ class StepCost:
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
             busy_arrival_overhead_s=c.busy_arrival_overhead_s,
+            attention_key_block=c.attention_key_block,
+            context_chunk_all_keys=c.context_chunk_all_keys,
         )
 
     def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
@@ -128,7 +161,7 @@ class StepCost:
                   num_prefills: int = 0, num_busy_arrivals: int = 0, decode_token_pairs: int = 0) -> float:
         """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
         requests whose contexts (after the step) sum to `context_tokens`;
-        `attention_token_pairs` the causal (query, key) pairs (scheduler.causal_pairs);
+        `attention_token_pairs` the (query, key) pairs the kernels compute (scheduler.kernel_pairs);
         `num_samples` the requests that sample a token (default: all of them);
         `num_prefills` the requests computing a prefill chunk (more than one token);
         `num_busy_arrivals` the requests admitted into a step beside running ones;

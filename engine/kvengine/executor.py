@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .cost import StepCost
-from .scheduler import SchedulerOutput
+from .scheduler import SchedulerOutput, kernel_pairs
 
 # Pseudo tokens stay inside the id range every common tokenizer accepts and
 # never hit special tokens (so the simulator never emits EOS).
@@ -41,7 +41,8 @@ class SimExecutor:
             else:
                 seed = req.all_token_ids[0] if n else 0
                 sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
-        return ExecutorOutput(sampled, self.step_time(step_shape(out, sampled)))
+        return ExecutorOutput(sampled, self.step_time(step_shape(out, sampled, self.cost.attention_key_block,
+                                                                 self.cost.context_chunk_all_keys)))
 
     def step_time(self, shape: tuple[int, ...]) -> float:
         return self.cost.step_time(*shape)
@@ -50,14 +51,20 @@ class SimExecutor:
 SHAPE_FIELDS = 8  # the length of a step_shape
 
 
-def step_shape(out: SchedulerOutput, sampled: list[int | None]) -> tuple[int, ...]:
+def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
+               all_keys_after_context: bool = False) -> tuple[int, ...]:
     """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
-    attention pairs, sampled tokens, prefill chunks (requests computing more than one token),
+    attention pairs (those the kernel computes, scheduler.kernel_pairs), sampled tokens, prefill chunks (requests computing more than one token),
     requests arriving beside running ones (admitted for the first time, not resumed), and
     the decodes' attention pairs (one query against its context, after the step)."""
     admitted = out.scheduled[len(out.scheduled) - out.num_new_reqs:]
     busy = len(out.scheduled) > out.num_new_reqs
-    return (out.total_tokens, len(out.scheduled), out.context_tokens, out.attention_token_pairs,
+    pairs = out.attention_token_pairs
+    if key_block or all_keys_after_context:  # a decode's one query attends to its whole context anyway
+        pairs = out.decode_token_pairs + sum(
+            kernel_pairs(n, req.num_computed_tokens, key_block, all_keys_after_context)
+            for req, n in zip(out.scheduled, out.num_new_tokens) if n > 1)
+    return (out.total_tokens, len(out.scheduled), out.context_tokens, pairs,
             sum(1 for token in sampled if token is not None),
             sum(1 for n in out.num_new_tokens if n > 1),
             sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0,

@@ -25,6 +25,25 @@ def causal_pairs(new_tokens: int, context: int) -> int:
     return new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2
 
 
+def kernel_pairs(new_tokens: int, context: int, key_block: int, all_keys_after_context: bool = False) -> int:
+    """(query, key) pairs an attention kernel computes for `new_tokens` queries ending a
+    `context`-token sequence, where it takes keys `key_block` at a time: each query attends
+    up to the end of the block holding its own position (the block's later keys computed,
+    then masked), at most the whole context. key_block 0: the causal pairs.
+    `all_keys_after_context`: a chunk after earlier context attends to every key (a kernel
+    handed an explicit mask skips no block)."""
+    start = context - new_tokens
+    if all_keys_after_context and start > 0:
+        return new_tokens * context
+    if key_block <= 0:
+        return causal_pairs(new_tokens, context)
+    pairs = 0
+    for block in range(start // key_block, (context - 1) // key_block + 1):
+        end = min(context, (block + 1) * key_block)
+        pairs += (end - max(start, block * key_block)) * end
+    return pairs
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)  # running first, then admitted

@@ -12,7 +12,7 @@ import sys
 import time
 
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
-from kvengine.cost import TIED_TO, CostCoefficients
+from kvengine.cost import TIED_TO, CostCoefficients, torch_attention_kernel
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
 from ..store import Store, add_db_argument, resolve_db_url
@@ -173,7 +173,12 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
                   max_prompt: int | None = None, options: ProbeOptions | None = None, check_alive=None,
                   progress=None, base: CostCoefficients | None = None) -> CalibrationProfile:
     """Probe the server at `url` (which serves `preset` on `device`, configured as
-    `config` describes, where /metrics does not say), fit, and return the profile."""
+    `config` describes, where /metrics does not say), fit, and return the profile.
+    `base`: the coefficients the fit leaves alone and starts from; by default the cost
+    model's, with the attention kernel's pair counting of the torch executor where the
+    server is kvengine's torch executor."""
+    if base is None:
+        base = CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
     model, device_spec = model_preset(preset), device_preset(device)
     info = server_info(url)
     server_config = _server_config(config or EngineConfig(), info, model, device_spec)
@@ -194,7 +199,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
     probe_wall = time.perf_counter() - t0
     kv_dtype = server_config.kv_cache_dtype
-    shapes, observations = step_shapes(runs, model, device_spec, server_config)
+    shapes, observations = step_shapes(runs, model, device_spec, server_config, base)
     result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
                               base=base)
     return CalibrationProfile(
@@ -235,7 +240,8 @@ def format_profile(profile: CalibrationProfile) -> str:
              + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
              f"in {profile.probe_wall_s:.0f} s of probes",
              *(f"  {name:<24}{value:10.4g}" if value is not None else f"  {name:<24}    (= {TIED_TO[name]})"
-               for name, value in c.to_dict().items() if name != "block_overhead_tokens"),
+               for name, value in c.to_dict().items() if name not in NOT_FITTED),
+             f"  attention pairs       {_kernel_line(c)}",
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
              *_drift_lines(profile.drift),
@@ -245,6 +251,15 @@ def format_profile(profile: CalibrationProfile) -> str:
         lines.append(f"  {kind:<10} n={r['n']:<3}                   {r['rms']:6.1%} {r['max']:6.1%} "
                      f"{r['bias']:+6.1%}          {u.get('rms', float('nan')):7.1%} {u.get('max', float('nan')):7.1%}")
     return "\n".join(lines)
+
+
+# Set, not fitted: the block penalty's scale, and how the attention kernel counts its pairs.
+NOT_FITTED = ("block_overhead_tokens", "attention_key_block", "context_chunk_all_keys")
+
+
+def _kernel_line(c: CostCoefficients) -> str:
+    blocks = f"keys in blocks of {c.attention_key_block}" if c.attention_key_block else "causal pairs only"
+    return blocks + (", all keys for a chunk after context" if c.context_chunk_all_keys else "")
 
 
 def _drift_lines(drift: dict) -> list[str]:

@@ -97,15 +97,16 @@ def sim_config(server_config: EngineConfig, model: ModelSpec, runs: list[ProbeRu
 
 
 def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
-                config: EngineConfig) -> tuple[np.ndarray, list[Observation]]:
+                config: EngineConfig, kernel: CostCoefficients | None = None) -> tuple[np.ndarray, list[Observation]]:
     """Replay each probe's first trial through the engine core: the table of distinct
-    step shapes (tokens, seqs, context, pairs) and one Observation per measured timing."""
+    step shapes (executor.step_shape, its attention pairs counted as `kernel`'s
+    attention_key_block and context_chunk_all_keys say) and one Observation per timing."""
     table: dict[tuple, int] = {}
     observations = []
     cfg = sim_config(config, model, runs)
     for run in runs:
         replay = _replay_loaded if run.probe.background else _replay
-        steps, windows = replay(run, model, device, cfg)
+        steps, windows = replay(run, model, device, cfg, kernel or CostCoefficients())
         index = np.array([table.setdefault(s, len(table)) for s in steps], dtype=int)
         for measure in run.measures:
             chosen, weights = windows[TTFT if measure == PREFILL_TIME else measure]
@@ -119,18 +120,18 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
     return shapes, observations
 
 
-def _engine(model, device, cfg) -> tuple[LLMEngine, _RecordingExecutor]:
-    executor = _RecordingExecutor(StepCost.build(model, device, cfg.kv_cache_dtype, cfg.block_size))
+def _engine(model, device, cfg, kernel: CostCoefficients) -> tuple[LLMEngine, _RecordingExecutor]:
+    executor = _RecordingExecutor(StepCost.build(model, device, cfg.kv_cache_dtype, cfg.block_size, kernel))
     return LLMEngine(cfg, model, device, executor=executor, clock=VirtualClock(), record_steps=False), executor
 
 
-def _replay(run: ProbeRun, model, device, cfg):
+def _replay(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     """An isolated probe: warm-up alone, then the batch at once. The TTFT spans the
     first request's steps up to its first token; the steady ITL averages the steps
     after the last first token and before the first last token (the window of
     `probes.steady_itl`, which measures its mean gap)."""
     trial = run.trials[0]
-    engine, executor = _engine(model, device, cfg)
+    engine, executor = _engine(model, device, cfg, kernel)
     if trial.warmup is not None:
         engine.add_request("warmup", trial.warmup, SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished():
@@ -150,14 +151,14 @@ def _replay(run: ProbeRun, model, device, cfg):
     return executor.shapes[first:], windows
 
 
-def _replay_loaded(run: ProbeRun, model, device, cfg):
+def _replay_loaded(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     """A loaded probe: the background decodes; arrival k comes during the step that gives
     the background's first request its (sent_at_tokens[k] + 1)-th token, so it waits for
     half that step (on average: it lands anywhere in it), then its own steps. The
     background's mean gap while the arrivals come is the mean of those steps, mixed
     ones included."""
     trial = run.trials[0]
-    engine, executor = _engine(model, device, cfg)
+    engine, executor = _engine(model, device, cfg, kernel)
     total = max(trial.sent_at_tokens) + 64  # more than the window needs: the live run cut it off
     reqs = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=total, ignore_eos=True))
             for i, p in enumerate(trial.background)]
@@ -245,7 +246,8 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
                      split_gain: float = 0.85) -> FitResult:
     """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
     relative errors of the predicted timings; `base` supplies the fixed coefficients
-    (block_overhead_tokens) and the first start.
+    (block_overhead_tokens, and the attention kernel's pair counting, which must be the one
+    `step_shapes` counted the shapes with) and the first start.
 
     Each relative error is divided by its observation's relative standard error, floored
     at `noise_floor` (and scaled so the floor weighs 1): a jittery TTFT weighs less than
