@@ -27,13 +27,13 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from kvengine.config import EngineConfig  # noqa: E402
-from kvengine.cost import torch_attention_kernel  # noqa: E402
-from kvengine.request import SamplingParams  # noqa: E402
-from kvengine.scheduler import kernel_pairs  # noqa: E402
-from kvengine.torch_executor import build_torch_engine  # noqa: E402
+import numpy as np
+import torch
+from kvengine.config import EngineConfig
+from kvengine.cost import torch_attention_kernel
+from kvengine.request import SamplingParams
+from kvengine.scheduler import kernel_pairs
+from kvengine.torch_executor import build_torch_engine
 
 FRESH = (16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 AFTER_CONTEXT = [(c, n) for c in (512, 1024, 2048) for n in (16, 64, 256, 512, 1024)]

@@ -54,9 +54,10 @@ SHAPE_FIELDS = 8  # the length of a step_shape
 def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
                all_keys_after_context: bool = False) -> tuple[int, ...]:
     """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
-    attention pairs (those the kernel computes, scheduler.kernel_pairs), sampled tokens, prefill chunks (requests computing more than one token),
-    requests arriving beside running ones (admitted for the first time, not resumed), and
-    the decodes' attention pairs (one query against its context, after the step)."""
+    attention pairs (those the kernel computes, scheduler.kernel_pairs), sampled tokens,
+    prefill chunks (requests computing more than one token), requests arriving beside
+    running ones (admitted for the first time, not resumed), and the decodes' attention
+    pairs (one query against its context, after the step)."""
     admitted = out.scheduled[len(out.scheduled) - out.num_new_reqs:]
     busy = len(out.scheduled) > out.num_new_reqs
     pairs = out.attention_token_pairs
