@@ -20,7 +20,12 @@ floor, the error a perfect simulator would show against one run. Goal: within
 workload's first run and after its second, shows the machine's drift. About 10
 minutes on 2 cores (--quick: about 4).
 
-    python benchmarks/sim_fidelity.py [--quick] [--json]
+--device cuda runs the same benchmark against the engine on a GPU (same model,
+workloads and 2 GiB pool, so the figures compare with the CPU's); the profile's
+device is the GPU's preset (h200-141gb, ...), whose bandwidth and FLOP/s the
+uncalibrated roofline uses.
+
+    python benchmarks/sim_fidelity.py [--quick] [--device cpu|cuda] [--json]
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ import numpy as np
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from kvengine.config import EngineConfig, model_preset
-from kvengine.torch_executor import torch_device_spec
+from kvengine.flags import parse_size
+from kvengine.torch_executor import gpu_preset_name, resolve_device, torch_device_spec
 
 from kvtune.calibrate import calibrate_url, format_profile
 from kvtune.calibrate.probes import steady_itl, stream_request
@@ -117,18 +123,31 @@ def rel(pred, meas):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 4 minutes)")
+    ap.add_argument("--device", default="cpu", help="the engine's torch device: cpu, cuda or cuda:N "
+                                                      "(default: %(default)s)")
+    ap.add_argument("--device-memory", default="2GiB", type=parse_size, metavar="SIZE",
+                    help="the pool's budget, the device's total memory as the engine sees it (default: 2GiB)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     args = ap.parse_args(argv)
     if not TRACE.exists():
         print(f"error: {TRACE}: no such file", file=sys.stderr)
         return 2
+    try:
+        torch_device = resolve_device(args.device)
+    except ValueError as err:  # kvengine's ConfigError
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     config = EngineConfig()
-    options = LiveOptions(device="cpu", drain_timeout_s=120, scrape_interval_s=2.0)
-    target = EngineTarget(options, executor="torch", preset="tiny", device="cpu")
+    # The sim and the live server size their pools from the same device spec and budget.
+    model, device = model_preset("tiny"), torch_device_spec(torch_device, args.device_memory)
+    profile_device = "cpu" if torch_device == "cpu" else gpu_preset_name(
+        device.name, torch_device_spec(torch_device).memory_bytes)  # the card's own memory, not the budget
+    options = LiveOptions(device=profile_device, drain_timeout_s=120, scrape_interval_s=2.0)
+    target = EngineTarget(options, executor="torch", preset="tiny", device=torch_device,
+                          device_memory=str(args.device_memory))
     port = free_port()
-    model, device = model_preset("tiny"), torch_device_spec("cpu")  # the live server's pool: its 2 GiB
     rows, profiles, drift, spreads = [], {}, {}, {}
     # One warm server for everything, its prefix cache reset before each run. Each workload
     # runs live twice with its fit in between: a shared 2-CPU machine's speed drifts by 5-20%
@@ -140,7 +159,7 @@ def main(argv=None) -> int:
         for name, workload in workloads(args.quick):
             live_run = functools.partial(run_live, server.url, workload, "engine", "tiny", config, options,
                                          check_alive=server.check_alive)
-            calibrate = functools.partial(calibrate_url, server.url, "tiny", "cpu", config, f"sim-fidelity-{name}",
+            calibrate = functools.partial(calibrate_url, server.url, "tiny", profile_device, config, f"sim-fidelity-{name}",
                                           target="engine", executor="torch", quick=args.quick,
                                           check_alive=server.check_alive)
             before = reference_itl(server.url)

@@ -100,15 +100,22 @@ def torch_device_spec(device: str, device_memory: int | None = None) -> DeviceSp
         return DeviceSpec("cpu", memory, base.hbm_bandwidth, base.bf16_flops,
                           non_torch_overhead_bytes=base.non_torch_overhead_bytes)
     props = torch.cuda.get_device_properties(torch.device(device))
-    total = torch.cuda.mem_get_info(torch.device(device))[1]
+    total = full = torch.cuda.mem_get_info(torch.device(device))[1]
     if device_memory is not None:
         total = min(total, int(device_memory))
     name = props.name
-    key = name.lower()
-    same_chip = [d for n, d in DEVICE_PRESETS.items() if n != "cpu" and n.split("-")[0] in key]
-    base = min(same_chip, key=lambda d: abs(d.memory_bytes - total), default=DEVICE_PRESETS["h100-80gb"])
-    large = total >= 70 * GiB and "a100" not in key  # vLLM's default-batch rule
+    base = DEVICE_PRESETS[gpu_preset_name(name, full)]
+    large = total >= 70 * GiB and "a100" not in name.lower()  # vLLM's default-batch rule
     return DeviceSpec(name, total, base.hbm_bandwidth, base.bf16_flops, large_memory=large)
+
+
+def gpu_preset_name(gpu_name: str, total_memory: int) -> str:
+    """The device preset for a GPU torch names ('NVIDIA H200', 141 GiB -> 'h200-141gb'):
+    the same chip's preset nearest in memory, h100-80gb where no chip matches."""
+    key = gpu_name.lower()
+    same_chip = [n for n in DEVICE_PRESETS if n != "cpu" and n.split("-")[0] in key]
+    return min(same_chip, key=lambda n: abs(DEVICE_PRESETS[n].memory_bytes - total_memory),
+               default="h100-80gb")
 
 
 def set_num_threads(num_threads: int | None = None) -> int:
