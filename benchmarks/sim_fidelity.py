@@ -21,7 +21,7 @@ workload's first run and after its second, shows the machine's drift. About 10
 minutes on 2 cores (--quick: about 4).
 
 --device cuda runs the same benchmark against the engine on a GPU (same model,
-workloads and 2 GiB pool, so the figures compare with the CPU's); the profile's
+workloads and pool, so the figures compare with the CPU's); the profile's
 device is the GPU's preset (h200-141gb, ...), whose bandwidth and FLOP/s the
 uncalibrated roofline uses.
 
@@ -125,8 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 4 minutes)")
     ap.add_argument("--device", default="cpu", help="the engine's torch device: cpu, cuda or cuda:N "
                                                       "(default: %(default)s)")
-    ap.add_argument("--device-memory", default="2GiB", type=parse_size, metavar="SIZE",
-                    help="the pool's budget, the device's total memory as the engine sees it (default: 2GiB)")
+    ap.add_argument("--device-memory", type=parse_size, metavar="SIZE",
+                    help="the device's total memory as the engine sees it (default: 2GiB on the CPU; 3.4GiB "
+                         "on a GPU, whose 1.5 GiB non-torch overhead then leaves the CPU's pool)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     args = ap.parse_args(argv)
     if not TRACE.exists():
@@ -141,12 +142,13 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     config = EngineConfig()
     # The sim and the live server size their pools from the same device spec and budget.
-    model, device = model_preset("tiny"), torch_device_spec(torch_device, args.device_memory)
+    budget = args.device_memory or parse_size("2GiB" if torch_device == "cpu" else "3.4GiB")
+    model, device = model_preset("tiny"), torch_device_spec(torch_device, budget)
     profile_device = "cpu" if torch_device == "cpu" else gpu_preset_name(
         device.name, torch_device_spec(torch_device).memory_bytes)  # the card's own memory, not the budget
     options = LiveOptions(device=profile_device, drain_timeout_s=120, scrape_interval_s=2.0)
     target = EngineTarget(options, executor="torch", preset="tiny", device=torch_device,
-                          device_memory=str(args.device_memory))
+                          device_memory=str(budget))
     port = free_port()
     rows, profiles, drift, spreads = [], {}, {}, {}
     # One warm server for everything, its prefix cache reset before each run. Each workload
