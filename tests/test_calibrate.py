@@ -21,6 +21,7 @@ from kvtune.calibrate import (
     ProfileNotFoundError,
     add_calibrate_command,
     design_probes,
+    format_profile,
     fit_coefficients,
     get_profile,
     list_profiles,
@@ -384,6 +385,19 @@ def test_profile_round_trips_through_the_store(tmp_path):
     assert [p.name for p in list_profiles(db)] == ["cpu-tiny", "h100"]
     with pytest.raises(ProfileNotFoundError, match=r"no cost profile 'nope'.*cpu-tiny, h100"):
         load_cost_profile(db, "nope")
+
+
+def test_the_report_marks_coefficients_the_fit_left_at_a_bound():
+    """A host-bound server (a small model on a GPU) shows no compute and no per-sequence
+    cost: the report says so instead of printing 1000 as a measured efficiency."""
+    def report(coefficients):
+        return format_profile(CalibrationProfile(name="p", model="tiny", device="h200-141gb",
+                                                 coefficients=coefficients))
+    lines = report(dataclasses.replace(KNOWN, compute_efficiency=1000.0, per_seq_overhead_s=1e-10)).splitlines()
+    marked = {line.split()[0]: line for line in lines if "bound" in line}
+    assert set(marked) == {"compute_efficiency", "per_seq_overhead_s"}
+    assert "upper bound" in marked["compute_efficiency"] and "lower bound" in marked["per_seq_overhead_s"]
+    assert "bound" not in report(KNOWN)
 
 
 def test_an_empty_store_says_how_to_make_a_profile(tmp_path):

@@ -25,7 +25,7 @@ from ..targets import (
 )
 from ..targets.process import ManagedServer, free_port
 from ..workload.cli import name_or_url, positive_float, positive_int
-from .fit import fit_coefficients, step_shapes
+from .fit import BOUNDS, fit_coefficients, step_shapes
 from .probes import (
     CalibrationError,
     ProbeOptions,
@@ -61,7 +61,8 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--preset", metavar="MODEL", help="model preset of the served model (default: tiny for the "
                                                      "engine's torch executor, else llama-3-8b)")
     g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for the engine's torch "
-                                                      "executor, else h100-80gb)")
+                                                      "executor, else h100-80gb); the engine's torch executor "
+                                                      "runs on CUDA under a GPU preset (h200-141gb, ...)")
     g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local Hugging "
                                                     "Face folder")
     g.add_argument("--executor", choices=("torch", "sim"), default="torch",
@@ -239,7 +240,8 @@ def format_profile(profile: CalibrationProfile) -> str:
     lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
              + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
              f"in {profile.probe_wall_s:.0f} s of probes",
-             *(f"  {name:<24}{value:10.4g}" if value is not None else f"  {name:<24}    (= {TIED_TO[name]})"
+             *(f"  {name:<24}{value:10.4g}{_bound_note(name, value)}" if value is not None
+               else f"  {name:<24}    (= {TIED_TO[name]})"
                for name, value in c.to_dict().items() if name not in NOT_FITTED),
              f"  attention pairs       {_kernel_line(c)}",
              (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
@@ -255,6 +257,18 @@ def format_profile(profile: CalibrationProfile) -> str:
 
 # Set, not fitted: the block penalty's scale, and how the attention kernel counts its pairs.
 NOT_FITTED = ("block_overhead_tokens", "attention_key_block", "context_chunk_all_keys")
+
+
+def _bound_note(name: str, value: float) -> str:
+    """Where the fit left a coefficient at a bound, the term it prices did not show in the
+    probes' timings (an efficiency at its top, an overhead at its floor: the term is about
+    zero). A GPU serving a small model is host-bound, and there its roofline terms go so."""
+    lo, hi = BOUNDS.get(name, (0.0, float("inf")))
+    if value >= hi / 1.01:
+        return "   (at the fit's upper bound: the probes did not show this term)"
+    if 0 < value <= lo * 1.01:  # 0: not fitted at all (the default where no probe could)
+        return "   (at the fit's lower bound: the probes did not show this term)"
+    return ""
 
 
 def _kernel_line(c: CostCoefficients) -> str:
