@@ -125,6 +125,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 4 minutes)")
     ap.add_argument("--device", default="cpu", help="the engine's torch device: cpu, cuda or cuda:N "
                                                       "(default: %(default)s)")
+    ap.add_argument("--preset", default="tiny", help="the engine's model preset, random weights (default: "
+                                                     "%(default)s; on a GPU a larger one, e.g. llama-2-7b with "
+                                                     "--device-memory 24GiB, gives its roofline terms work to show)")
     ap.add_argument("--device-memory", type=parse_size, metavar="SIZE",
                     help="the device's total memory as the engine sees it (default: 2GiB on the CPU; 3.4GiB "
                          "on a GPU, whose 1.5 GiB non-torch overhead then leaves the CPU's pool)")
@@ -135,6 +138,7 @@ def main(argv=None) -> int:
         return 2
     try:
         torch_device = resolve_device(args.device)
+        model_preset(args.preset)
     except ValueError as err:  # kvengine's ConfigError
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -143,11 +147,11 @@ def main(argv=None) -> int:
     config = EngineConfig()
     # The sim and the live server size their pools from the same device spec and budget.
     budget = args.device_memory or parse_size("2GiB" if torch_device == "cpu" else "3.4GiB")
-    model, device = model_preset("tiny"), torch_device_spec(torch_device, budget)
+    model, device = model_preset(args.preset), torch_device_spec(torch_device, budget)
     profile_device = "cpu" if torch_device == "cpu" else gpu_preset_name(
         device.name, torch_device_spec(torch_device).memory_bytes)  # the card's own memory, not the budget
     options = LiveOptions(device=profile_device, drain_timeout_s=120, scrape_interval_s=2.0)
-    target = EngineTarget(options, executor="torch", preset="tiny", device=torch_device,
+    target = EngineTarget(options, executor="torch", preset=args.preset, device=torch_device,
                           device_memory=str(budget))
     port = free_port()
     rows, profiles, drift, spreads = [], {}, {}, {}
@@ -159,9 +163,10 @@ def main(argv=None) -> int:
     with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
         print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
         for name, workload in workloads(args.quick):
-            live_run = functools.partial(run_live, server.url, workload, "engine", "tiny", config, options,
+            live_run = functools.partial(run_live, server.url, workload, "engine", args.preset, config, options,
                                          check_alive=server.check_alive)
-            calibrate = functools.partial(calibrate_url, server.url, "tiny", profile_device, config, f"sim-fidelity-{name}",
+            calibrate = functools.partial(calibrate_url, server.url, args.preset, profile_device, config,
+                                          f"sim-fidelity-{name}",
                                           target="engine", executor="torch", quick=args.quick,
                                           check_alive=server.check_alive)
             before = reference_itl(server.url)
