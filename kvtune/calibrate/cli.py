@@ -68,7 +68,8 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--executor", choices=("torch", "sim"), default="torch",
                    help="the engine target's executor (default: %(default)s)")
     g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
-                   help="engine target on the CPU: the memory budget (e.g. 2GiB)")
+                   help="engine target: the memory budget on the CPU (e.g. 2GiB), a cap below the GPU's "
+                        "memory on CUDA")
     g.add_argument("--cost-profile", metavar="FILE",
                    help="engine target with --executor sim: serve these coefficients (JSON), e.g. to check "
                         "that calibration recovers them")
