@@ -396,7 +396,10 @@ def test_the_report_marks_coefficients_the_fit_left_at_a_bound():
     lines = report(dataclasses.replace(KNOWN, compute_efficiency=1000.0, per_seq_overhead_s=1e-10)).splitlines()
     marked = {line.split()[0]: line for line in lines if "bound" in line}
     assert set(marked) == {"compute_efficiency", "per_seq_overhead_s"}
-    assert "upper bound" in marked["compute_efficiency"] and "lower bound" in marked["per_seq_overhead_s"]
+    assert "upper bound: the probes did not show" in marked["compute_efficiency"]
+    assert "lower bound: the probes did not show" in marked["per_seq_overhead_s"]
+    squeezed = report(dataclasses.replace(KNOWN, attention_efficiency=1e-5))
+    assert "lower bound: the timings asked for more than it allows" in squeezed
     assert "bound" not in report(KNOWN)
 
 

@@ -261,15 +261,16 @@ NOT_FITTED = ("block_overhead_tokens", "attention_key_block", "context_chunk_all
 
 
 def _bound_note(name: str, value: float) -> str:
-    """Where the fit left a coefficient at a bound, the term it prices did not show in the
-    probes' timings (an efficiency at its top, an overhead at its floor: the term is about
-    zero). A GPU serving a small model is host-bound, and there its roofline terms go so."""
+    """Where the fit left a coefficient at a bound. An efficiency at its top or an overhead
+    at its floor prices its term at about zero: the probes' timings did not show it (a GPU
+    serving a small model is host-bound, and its roofline terms go so)."""
     lo, hi = BOUNDS.get(name, (0.0, float("inf")))
-    if value >= hi / 1.01:
-        return "   (at the fit's upper bound: the probes did not show this term)"
-    if 0 < value <= lo * 1.01:  # 0: not fitted at all (the default where no probe could)
-        return "   (at the fit's lower bound: the probes did not show this term)"
-    return ""
+    at_top, at_floor = value >= hi / 1.01, 0 < value <= lo * 1.01  # 0: never fitted (no probe could)
+    if not (at_top or at_floor):
+        return ""
+    unseen = at_top if name.endswith("efficiency") else at_floor
+    return (f"   (at the fit's {'upper' if at_top else 'lower'} bound: "
+            + ("the probes did not show this term)" if unseen else "the timings asked for more than it allows)"))
 
 
 def _kernel_line(c: CostCoefficients) -> str:
