@@ -48,6 +48,12 @@ JSONL_CASES = [
     ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": "1"}', "hash_ids", "a list"),
     ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [-1]}', "hash_ids", ">= 0"),
     ('{"timestamp": 0, "input_length": 10, "output_length": 2, "prompt": 5}', "prompt", "a string"),
+    ('{"timestamp": 0, "input_length": 3, "output_length": 2, "prompt_token_ids": [1, 2]}',
+     "prompt_token_ids", "3 ids (input_length), got 2"),
+    ('{"timestamp": 0, "input_length": 2, "output_length": 2, "prompt_token_ids": [1, -2]}',
+     "prompt_token_ids", "a list of integers >= 0"),
+    ('{"timestamp": 0, "input_length": 2, "output_length": 2, "prompt_token_ids": "1 2"}',
+     "prompt_token_ids", "a list of integers >= 0"),
 ]
 
 

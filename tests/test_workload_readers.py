@@ -14,6 +14,7 @@ from kvtune.workload import (
     Workload,
     count_tokens,
     read_workload,
+    workload_prompt_token_ids,
     write_workload,
 )
 
@@ -207,6 +208,19 @@ def test_round_trip_keeps_a_fine_hash_block_size(tmp_path):
     again = read_workload(path)
     assert again.hash_block_size == 16
     assert_same_requests(w, again)
+
+
+def test_round_trip_keeps_exact_prompt_tokens(tmp_path):
+    """A workload built with its tokens (a shared system prompt, say) replays live with those
+    very tokens: the live run reads it back from the JSONL the sim's copy never went through."""
+    shared = tuple(range(1000, 1048))
+    w = Workload([TraceRequest(0.0, 50, 4, prompt_token_ids=shared + (7, 8)),
+                  TraceRequest(0.5, 49, 4, prompt_token_ids=shared + (9,)), TraceRequest(1.0, 30, 2)])
+    path = tmp_path / "tokens.jsonl"
+    write_workload(w, path)
+    again = read_workload(path)
+    assert again.requests == w.requests
+    assert list(workload_prompt_token_ids(again))[:2] == [list(shared + (7, 8)), list(shared + (9,))]
 
 
 def test_round_trip_of_unusual_text(tmp_path):

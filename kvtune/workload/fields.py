@@ -88,6 +88,15 @@ def hash_ids(value: Any, input_length: int, hash_block_size: int) -> tuple[int, 
     return tuple(value)
 
 
+def token_ids(value: Any, input_length: int) -> tuple[int, ...]:
+    """The prompt's exact tokens: a list of integers >= 0, input_length of them."""
+    if not isinstance(value, list) or not all(_is_id(v) for v in value):
+        raise RecordError("prompt_token_ids", "a list of integers >= 0", value)
+    if len(value) != input_length:
+        raise RecordError("prompt_token_ids", f"{input_length} ids (input_length)", raw=f"{len(value)}")
+    return tuple(value)
+
+
 def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 

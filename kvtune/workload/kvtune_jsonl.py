@@ -1,9 +1,11 @@
 """kvtune JSONL, a superset of Mooncake's: one request object per line.
 
 Fields: `timestamp` (ms from the start), `input_length`, `output_length`, and
-optionally `hash_ids`, `prompt`, `session_id`. kvtune also writes
-`hash_block_size` on every record when it is not Mooncake's 512, so a trace
-with finer blocks reads back without being told its block size.
+optionally `hash_ids`, `prompt`, `session_id`, `prompt_token_ids` (the exact
+tokens, input_length of them: a workload built with them replays live with the
+very tokens the sim was given). kvtune also writes `hash_block_size` on every
+record when it is not Mooncake's 512, so a trace with finer blocks reads back
+without being told its block size.
 """
 from __future__ import annotations
 
@@ -42,8 +44,10 @@ def parse_record(record: dict, hash_block_size: int) -> TraceRequest:
     raw_ids = record.get("hash_ids")
     hash_ids = None if raw_ids is None else fields.hash_ids(raw_ids, input_length, hash_block_size)
     prompt = fields.optional_text(record, "prompt")
+    raw_tokens = record.get("prompt_token_ids")
+    tokens = None if raw_tokens is None else fields.token_ids(raw_tokens, input_length)
     return TraceRequest(timestamp_ms / 1000.0, input_length, output_length, hash_ids, prompt,
-                        fields.optional_text(record, "session_id", numbers_ok=True))
+                        fields.optional_text(record, "session_id", numbers_ok=True), tokens)
 
 
 def record_of(request: TraceRequest, hash_block_size: int) -> dict:
@@ -61,6 +65,8 @@ def record_of(request: TraceRequest, hash_block_size: int) -> dict:
         record["prompt"] = request.prompt
     if request.session_id is not None:
         record["session_id"] = request.session_id
+    if request.prompt_token_ids is not None:
+        record["prompt_token_ids"] = list(request.prompt_token_ids)
     return record
 
 
