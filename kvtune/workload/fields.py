@@ -76,24 +76,22 @@ def optional_text(record: dict, key: str, numbers_ok: bool = False) -> str | Non
 
 def hash_ids(value: Any, input_length: int, hash_block_size: int) -> tuple[int, ...]:
     """A list of ids >= 0, one per `hash_block_size` tokens of the prompt."""
-    if not isinstance(value, list) or not all(_is_id(v) for v in value):
-        raise RecordError("hash_ids", "a list of integers >= 0", value)
     expected = blocks_for(input_length, hash_block_size)
-    if len(value) != expected:
-        raise RecordError(
-            "hash_ids",
-            f"{expected} ids (ceil(input_length {input_length} / hash_block_size {hash_block_size}))",
-            raw=f"{len(value)}",
-        )
-    return tuple(value)
+    return _id_list(value, "hash_ids", expected,
+                    f"ceil(input_length {input_length} / hash_block_size {hash_block_size})")
 
 
 def token_ids(value: Any, input_length: int) -> tuple[int, ...]:
     """The prompt's exact tokens: a list of integers >= 0, input_length of them."""
+    return _id_list(value, "prompt_token_ids", input_length, "input_length")
+
+
+def _id_list(value: Any, field: str, count: int, why: str) -> tuple[int, ...]:
+    """`count` integers >= 0 (`why` says where the count comes from)."""
     if not isinstance(value, list) or not all(_is_id(v) for v in value):
-        raise RecordError("prompt_token_ids", "a list of integers >= 0", value)
-    if len(value) != input_length:
-        raise RecordError("prompt_token_ids", f"{input_length} ids (input_length)", raw=f"{len(value)}")
+        raise RecordError(field, "a list of integers >= 0", value)
+    if len(value) != count:
+        raise RecordError(field, f"{count} ids ({why})", raw=f"{len(value)}")
     return tuple(value)
 
 
