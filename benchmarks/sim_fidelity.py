@@ -26,7 +26,8 @@ workloads and pool, so the figures compare with the CPU's); the profile's
 device is the GPU's preset (h200-141gb, ...), whose bandwidth and FLOP/s the
 uncalibrated roofline uses.
 
-    python benchmarks/sim_fidelity.py [--quick] [--device cpu|cuda] [--json]
+    python benchmarks/sim_fidelity.py [--quick] [--device cpu|cuda] [--preset tiny]
+                                      [--device-memory SIZE] [--json]
 """
 from __future__ import annotations
 
@@ -227,9 +228,9 @@ def noise_floor(spreads: dict) -> dict:
 def excess_over_noise(errors: dict, spreads: dict, keys) -> float | None:
     """The most by which a cell's |error| exceeds the two live runs' own disagreement on
     it (0 where every error is within it): the part the noise floor does not explain."""
-    values = [max(0.0, abs(e[k]) - abs(spreads[name][k] or 0.0))
-              for name, e in errors.items() for k in keys if e[k] is not None]
-    return round(max(values), 4) if values else None
+    excess = {name: {k: None if e[k] is None else max(0.0, abs(e[k]) - abs(spreads[name][k] or 0.0))
+                     for k in keys} for name, e in errors.items()}
+    return worst(excess, keys)
 
 
 def summary_errors(rows, column: int) -> dict:
