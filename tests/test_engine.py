@@ -8,6 +8,7 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 from kvengine.cost import CostCoefficients, StepCost, torch_attention_kernel
 from kvengine.engine import LLMEngine
 from kvengine.request import PromptTooLongError, SamplingParams
+from kvengine.scheduler import kernel_pairs
 from kvengine.stats import request_timings
 
 MODEL, DEVICE = model_preset("llama-3-8b"), device_preset("h100-80gb")
@@ -114,6 +115,45 @@ def test_decode_attention_has_its_own_efficiency_where_one_is_given():
     two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
     decode_attention = 8 * 1000 * two.attention_flops_per_pair / two.attention_flops_per_s
     assert two.step_time(*shape, 8 * 1000) - one.step_time(*shape) == pytest.approx(decode_attention)
+
+
+def test_chunks_after_context_have_their_own_attention_efficiency_where_one_is_given():
+    tiny = model_preset("tiny")
+    shared = CostCoefficients(memory_efficiency=1e6)  # compute-bound: attention shows
+    apart = dataclasses.replace(shared, context_attention_efficiency=shared.attention_efficiency / 2)
+    # A 100-token chunk after 900 cached tokens beside a fresh 50-token prefill.
+    chunk, fresh = 100 * 1000, 50 * 51 // 2
+    shape = (150, 2, 1050, chunk + fresh, 2, 2, 0, 0)
+    one = StepCost.build(tiny, DEVICE, "auto", 16, shared)
+    assert one.step_time(*shape, chunk) == pytest.approx(one.step_time(*shape))  # tied: same time
+    two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
+    context_attention = chunk * two.attention_flops_per_pair / two.attention_flops_per_s
+    assert two.step_time(*shape, chunk) - one.step_time(*shape) == pytest.approx(context_attention)
+
+
+def test_step_shape_counts_the_pairs_of_chunks_after_context_apart():
+    """A prefix hit's chunk (and a long prompt's later chunks) is the shape's last field,
+    counted as the kernel counts it; fresh chunks and decodes are not in it."""
+    config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8)
+
+    def shapes_of(kernel) -> list[tuple]:
+        engine = LLMEngine(config, model_preset("tiny"), DEVICE)
+        executor = engine.executor
+        executor.cost = dataclasses.replace(executor.cost, attention_key_block=kernel[0],
+                                            context_chunk_all_keys=kernel[1])
+        shapes = []
+        executor.step_time = lambda shape: shapes.append(shape) or StepCost.step_time(executor.cost, *shape)
+        engine.add_request("a", list(range(1000, 1100)), SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        return shapes
+
+    for kernel in ((0, False), (512, True)):
+        shapes = shapes_of(kernel)
+        # 100 tokens at 64 a step: a fresh chunk, then 36 after 64, then one decode.
+        assert [s[8] for s in shapes] == [0, kernel_pairs(36, 100, *kernel), 0]
+        assert [s[7] for s in shapes] == [0, 0, 101]
+        assert shapes[0][3] == kernel_pairs(64, 64, *kernel)
 
 
 def test_the_sim_counts_attention_pairs_as_the_servers_kernel_does():

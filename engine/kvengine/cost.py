@@ -24,7 +24,8 @@ from .memory import kv_bytes_per_token
 
 
 # The coefficients that may be None: then they take the value of the one named here.
-TIED_TO = {"kv_memory_efficiency": "memory_efficiency", "decode_attention_efficiency": "attention_efficiency"}
+TIED_TO = {"kv_memory_efficiency": "memory_efficiency", "decode_attention_efficiency": "attention_efficiency",
+           "context_attention_efficiency": "attention_efficiency"}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class CostCoefficients:
     # reaches, when it differs from the prefill's: another kernel (a paged decode kernel
     # beside a flash-attention prefill); None: attention_efficiency.
     decode_attention_efficiency: float | None = None
+    # Share of peak the attention of a prefill chunk after earlier context (a prefix hit's, a
+    # long prompt's later chunks) reaches, when it differs from a fresh prefill's: the torch
+    # executor gathers that context from the paged cache and hands sdpa an explicit mask, whose
+    # values its CPU kernel adds to every score; None: attention_efficiency.
+    context_attention_efficiency: float | None = None
     # How the prefill's attention kernel counts its (query, key) pairs (scheduler.kernel_pairs).
     # Keys per block: a flash-attention kernel computes whole blocks, so each query attends up
     # to the end of the key block holding its diagonal, the rest of that block computed, then
@@ -117,6 +123,7 @@ class StepCost:
     flops_per_s: float
     attention_flops_per_s: float
     decode_attention_flops_per_s: float
+    context_attention_flops_per_s: float
     step_overhead_s: float
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
@@ -148,6 +155,7 @@ class StepCost:
             flops_per_s=device.bf16_flops * c.compute_efficiency,
             attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
             decode_attention_flops_per_s=device.bf16_flops * c.resolved("decode_attention_efficiency"),
+            context_attention_flops_per_s=device.bf16_flops * c.resolved("context_attention_efficiency"),
             step_overhead_s=c.step_overhead_s,
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
@@ -158,21 +166,24 @@ class StepCost:
 
     def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
                   attention_token_pairs: int, num_samples: int | None = None,
-                  num_prefills: int = 0, num_busy_arrivals: int = 0, decode_token_pairs: int = 0) -> float:
+                  num_prefills: int = 0, num_busy_arrivals: int = 0, decode_token_pairs: int = 0,
+                  context_chunk_pairs: int = 0) -> float:
         """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
         requests whose contexts (after the step) sum to `context_tokens`;
         `attention_token_pairs` the (query, key) pairs the kernels compute (scheduler.kernel_pairs);
         `num_samples` the requests that sample a token (default: all of them);
         `num_prefills` the requests computing a prefill chunk (more than one token);
         `num_busy_arrivals` the requests admitted into a step beside running ones;
-        `decode_token_pairs` the part of the pairs that decodes compute (each its context)."""
+        `decode_token_pairs` the part of the pairs that decodes compute (each its context);
+        `context_chunk_pairs` the part that prefill chunks after earlier context compute."""
         if num_tokens == 0:
             return 0.0
         samples = num_seqs if num_samples is None else num_samples
         mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
                + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
-                   + ((attention_token_pairs - decode_token_pairs) / self.attention_flops_per_s
-                      + decode_token_pairs / self.decode_attention_flops_per_s) * self.attention_flops_per_pair)
+                   + ((attention_token_pairs - decode_token_pairs - context_chunk_pairs) / self.attention_flops_per_s
+                      + decode_token_pairs / self.decode_attention_flops_per_s
+                      + context_chunk_pairs / self.context_attention_flops_per_s) * self.attention_flops_per_pair)
         return (max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)

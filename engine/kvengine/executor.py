@@ -48,7 +48,7 @@ class SimExecutor:
         return self.cost.step_time(*shape)
 
 
-SHAPE_FIELDS = 8  # the length of a step_shape
+SHAPE_FIELDS = 9  # the length of a step_shape
 
 
 def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
@@ -56,17 +56,25 @@ def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int =
     """StepCost.step_time's inputs for a scheduled step: tokens, sequences, context,
     attention pairs (those the kernel computes, scheduler.kernel_pairs), sampled tokens,
     prefill chunks (requests computing more than one token), requests arriving beside
-    running ones (admitted for the first time, not resumed), and the decodes' attention
-    pairs (one query against its context, after the step)."""
+    running ones (admitted for the first time, not resumed), the decodes' attention
+    pairs (one query against its context, after the step), and the part of the pairs
+    that prefill chunks after earlier context compute (a prefix hit's, a long prompt's
+    later chunks)."""
     admitted = out.scheduled[len(out.scheduled) - out.num_new_reqs:]
     busy = len(out.scheduled) > out.num_new_reqs
-    pairs = out.attention_token_pairs
+    pairs, chunk_pairs = out.attention_token_pairs, out.context_chunk_pairs
     if key_block or all_keys_after_context:  # a decode's one query attends to its whole context anyway
-        pairs = out.decode_token_pairs + sum(
-            kernel_pairs(n, req.num_computed_tokens, key_block, all_keys_after_context)
-            for req, n in zip(out.scheduled, out.num_new_tokens) if n > 1)
+        fresh = chunk_pairs = 0
+        for req, n in zip(out.scheduled, out.num_new_tokens):
+            if n > 1:
+                chunk = kernel_pairs(n, req.num_computed_tokens, key_block, all_keys_after_context)
+                if req.num_computed_tokens > n:
+                    chunk_pairs += chunk
+                else:
+                    fresh += chunk
+        pairs = out.decode_token_pairs + fresh + chunk_pairs
     return (out.total_tokens, len(out.scheduled), out.context_tokens, pairs,
             sum(1 for token in sampled if token is not None),
             sum(1 for n in out.num_new_tokens if n > 1),
             sum(1 for req in admitted if req.num_preemptions == 0) if busy else 0,
-            out.decode_token_pairs)
+            out.decode_token_pairs, chunk_pairs)

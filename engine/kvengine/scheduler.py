@@ -55,6 +55,7 @@ class SchedulerOutput:
     context_tokens: int = 0
     attention_token_pairs: int = 0  # (query, key) pairs a causal kernel computes; see causal_pairs
     decode_token_pairs: int = 0  # the part of them one-token queries (decodes) compute: their contexts
+    context_chunk_pairs: int = 0  # the part of them prefill chunks after earlier context compute
 
 
 class Scheduler:
@@ -108,7 +109,7 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         limit = self.max_model_len - 1  # room for the sampled token
         scheduled, num_new = out.scheduled, out.num_new_tokens
-        total = context = pairs = decode_pairs = 0
+        total = context = pairs = decode_pairs = chunk_pairs = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -135,9 +136,12 @@ class Scheduler:
                 num_new.append(n)
                 total += n
                 context += ctx
-                pairs += causal_pairs(n, ctx)
+                p = causal_pairs(n, ctx)
+                pairs += p
                 if n == 1:
                     decode_pairs += ctx
+                elif ctx > n:
+                    chunk_pairs += p
                 budget -= n
                 i += 1
                 continue
@@ -146,6 +150,7 @@ class Scheduler:
         out.context_tokens += context
         out.attention_token_pairs += pairs
         out.decode_token_pairs += decode_pairs
+        out.context_chunk_pairs += chunk_pairs
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -180,9 +185,12 @@ class Scheduler:
         out.num_new_tokens.append(n)
         out.total_tokens += n
         out.context_tokens += ctx
-        out.attention_token_pairs += causal_pairs(n, ctx)
+        pairs = causal_pairs(n, ctx)
+        out.attention_token_pairs += pairs
         if n == 1:
             out.decode_token_pairs += ctx
+        elif ctx > n:  # a prefix hit's chunk
+            out.context_chunk_pairs += pairs
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
