@@ -36,6 +36,10 @@ FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "st
           "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
 KV = "kv_memory_efficiency"  # fitted apart only where the data ask for it (see `fit_coefficients`)
 DECODE_ATTN = "decode_attention_efficiency"  # the same
+CONTEXT_ATTN = "context_attention_efficiency"  # the same
+SPLITS = (KV, DECODE_ATTN, CONTEXT_ATTN)
+F_SCALE = 0.1  # the robust loss's soft margin, in scaled residuals (see fit_coefficients)
+SPLIT_MIN_RMS = 0.002  # a split must remove more misfit than this where it prices
 CLIENT = "client_overhead_s"  # on a request reaching an idle server
 CLIENT_BUSY = "client_overhead_busy_s"  # on one reaching a server busy with others
 BUSY_ARRIVAL = "busy_arrival_overhead_s"  # fitted where the server reports its prefill times
@@ -43,6 +47,7 @@ BUSY_ARRIVAL = "busy_arrival_overhead_s"  # fitted where the server reports its 
 # peak; a CPU preset is a rough guess, so they may land far from 1).
 BOUNDS = {"memory_efficiency": (1e-5, 1e3), "compute_efficiency": (1e-5, 1e3),
           "attention_efficiency": (1e-5, 1e3), KV: (1e-5, 1e3), DECODE_ATTN: (1e-5, 1e3),
+          CONTEXT_ATTN: (1e-5, 1e3),
           "step_overhead_s": (1e-7, 10.0),
           "per_seq_overhead_s": (1e-10, 1.0), "per_prefill_overhead_s": (1e-10, 1.0),
           "busy_arrival_overhead_s": (1e-10, 1.0),
@@ -189,7 +194,7 @@ def _replay_loaded(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
 def coefficients_from(values: dict, base: CostCoefficients | None = None) -> CostCoefficients:
     base = base or CostCoefficients()
     return dataclasses.replace(base, **{k: float(v) for k, v in values.items()
-                                        if k in FITTED or k in (KV, DECODE_ATTN)})
+                                        if k in FITTED or k in SPLITS})
 
 
 def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -215,7 +220,7 @@ class FitResult:
     nfev: int
     message: str
     initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
-    split_costs: dict = field(default_factory=dict)  # the costs without the optional splits, with each, with both
+    split_costs: dict = field(default_factory=dict)  # the shared fit's cost, each split's from it, those taken
 
     def residuals(self) -> dict:
         return residual_summary(self.observations)
@@ -254,13 +259,16 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     a steady ITL, while the cost model's own misfit (beyond the floor) weighs the same
     everywhere.
 
-    The K/V reads' bandwidth share (kv_memory_efficiency) first shares the weights'; it
-    is fitted apart only when that cuts the cost below `split_gain` of the shared
-    fit's (a CPU's gathers are much slower than its weight reads; a GPU's are not, and a
-    free extra coefficient would only trade the weights' read time against the step
-    overhead, so the split fit keeps the shared fit's weight bandwidth). The decodes'
-    attention share (decode_attention_efficiency) then shares the prefills' on the same
-    terms."""
+    Three coefficients first share another's value and are fitted apart only where that
+    cuts the cost of the timings they price (those whose steps have their pairs; all, for
+    the K/V reads) below `split_gain` of the fit without them, one at a time, the best
+    first (forward selection): the K/V reads' bandwidth share (kv_memory_efficiency; a
+    CPU's gathers are much slower than its weight reads, a GPU's are not, and a free extra
+    coefficient would only trade the weights' read time against the step overhead, so the
+    split fit keeps the weights' bandwidth of the fit it starts from), the decodes'
+    attention share (decode_attention_efficiency: a paged decode kernel beside a
+    flash-attention prefill) and that of chunks after earlier context
+    (context_attention_efficiency: gathered context and an explicit mask)."""
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     if len(obs) < len(FITTED) + 1:
@@ -290,7 +298,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         for start in starts:
             x0 = np.clip(np.log([start[n] for n in names]), lo + 1e-9, hi - 1e-9)
             try:
-                sol = least_squares(residuals, x0, bounds=(lo, hi), loss=loss, f_scale=0.1, x_scale=1.0,
+                sol = least_squares(residuals, x0, bounds=(lo, hi), loss=loss, f_scale=F_SCALE, x_scale=1.0,
                                     diff_step=1e-4, max_nfev=400)
             except ValueError as err:
                 raise CalibrationError(f"the fit failed: {err}") from None
@@ -316,33 +324,47 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         starts = [{**values(fit), KV: fit[1].memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)]
         return free, fixed, solve(free, starts, fixed)
 
-    def split_decode(names, fixed, fit):
-        # A paged decode kernel and a flash-attention prefill reach different shares of
-        # peak on a CPU; on a GPU the decodes' attention hides under their K/V reads.
-        free = [*names, DECODE_ATTN]
-        starts = [{**values(fit), DECODE_ATTN: fit[1].attention_efficiency * f} for f in (1.0, 0.3, 3.0, 0.1)]
-        return free, fixed, solve(free, starts, fixed)
+    def split_attention(name):
+        # Another kernel than the fresh prefill's flash attention, at its own share of peak:
+        # on a CPU the paged decode kernel, or sdpa with a gathered context and a mask.
+        def split(names, fixed, fit):
+            free = [*names, name]
+            starts = [{**values(fit), name: fit[1].attention_efficiency * f} for f in (1.0, 0.3, 3.0, 0.1)]
+            return free, fixed, solve(free, starts, fixed)
+        return split
 
-    kv = split_kv(names, tied, shared)
-    if kv[2][0].cost < split_gain * shared[0].cost:
+    first = {KV: split_kv(names, tied, shared)}
+    if first[KV][2][0].cost < split_gain * shared[0].cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
-        found = values(kv[2])
+        found = values(first[KV][2])
         retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
         if retry[0].cost < shared[0].cost:
-            shared = retry
-    decode = split_decode(names, tied, shared)
-    costs = {"shared_cost": float(shared[0].cost), "split_cost": float(kv[2][0].cost),
-             "decode_attention_split_cost": float(decode[2][0].cost)}
-    # Each split is taken only where it cuts the cost below split_gain of the fit
-    # without it: the better of the two first, then the other on top of it.
-    chosen, rest = min((kv, split_decode), (decode, split_kv), key=lambda c: c[0][2][0].cost)
-    fit = shared
-    if chosen[2][0].cost < split_gain * shared[0].cost:
-        both = rest(*chosen)
-        costs["both_split_cost"] = float(both[2][0].cost)
-        fit = both[2] if both[2][0].cost < split_gain * chosen[2][0].cost else chosen[2]
-    best, coeffs, client, busy = fit
+            shared, first = retry, {}
+    # A split is judged on the timings whose steps it prices (the attention splits' pairs,
+    # SHAPE_FIELDS' last two): a kernel a few probes show would never cut the whole cost.
+    everywhere = np.ones(len(obs), dtype=bool)
+    fit, left, judged = (names, tied, shared), {KV: split_kv}, {KV: everywhere}
+    for name, column in ((DECODE_ATTN, 7), (CONTEXT_ATTN, 8)):
+        shows = np.array([shapes[o.steps, column].any() for o in obs])
+        if shows.any():
+            left[name], judged[name] = split_attention(name), shows
+    costs = {"shared_cost": float(shared[0].cost)}
+    while left:
+        tried = {name: first.pop(name, None) or split(*fit) for name, split in left.items()}
+        for name, candidate in tried.items():
+            costs.setdefault(f"{name}_split_cost", float(candidate[2][0].cost))  # each from the shared fit
+        before = {name: _cost(fit[2][0], judged[name], loss) for name in tried}
+        after = {name: _cost(candidate[2][0], judged[name], loss) for name, candidate in tried.items()}
+        # Not for a misfit under SPLIT_MIN_RMS (a relative error) where it prices: nothing to split.
+        worth = [name for name in tried if after[name] < split_gain * before[name]
+                 and before[name] - after[name] > 0.5 * judged[name].sum() * SPLIT_MIN_RMS ** 2]
+        if not worth:
+            break
+        name = min(worth, key=lambda n: after[n] / before[n])
+        fit = tried[name]
+        del left[name]
+    best, coeffs, client, busy = fit[2]
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
     for o, p in zip(obs, predict(obs, times, client, busy)):
         o.predicted_s = float(p)
@@ -350,6 +372,14 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     initial = residual_summary(obs, predict(obs, roofline, 0.0))
     return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
                      initial, costs)
+
+
+def _cost(sol, part: np.ndarray, loss: str) -> float:
+    """least_squares' cost (0.5 * sum of F_SCALE^2 * loss(r^2 / F_SCALE^2)) over a part of the residuals."""
+    z = (sol.fun[part] / F_SCALE) ** 2
+    rho = {"linear": z, "soft_l1": 2.0 * (np.sqrt(1.0 + z) - 1.0), "cauchy": np.log1p(z),
+           "huber": np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0), "arctan": np.arctan(z)}[loss]
+    return float(0.5 * F_SCALE ** 2 * rho.sum())
 
 
 def _starts(base: CostCoefficients, obs: list[Observation]):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
-from kvengine.cost import CostCoefficients
+from kvengine.cost import TIED_TO, CostCoefficients
 
 from ..store import Store, StoreError, resolve_db_url
 
@@ -68,9 +68,7 @@ class CalibrationProfile:
                 f"{' ' + self.executor if self.executor else ''} at {self.created_at}); "
                 f"memory_efficiency {c.memory_efficiency:.4g}, compute_efficiency {c.compute_efficiency:.4g}, "
                 f"attention_efficiency {c.attention_efficiency:.4g}, "
-                + (f"kv_memory_efficiency {c.kv_memory_efficiency:.4g}, " if c.kv_memory_efficiency is not None else "")
-                + (f"decode_attention_efficiency {c.decode_attention_efficiency:.4g}, "
-                   if c.decode_attention_efficiency is not None else "")
+                + "".join(f"{name} {getattr(c, name):.4g}, " for name in TIED_TO if getattr(c, name) is not None)
                 + f"step_overhead {c.step_overhead_s * 1e3:.3g} ms, "
                 f"per_seq_overhead {c.per_seq_overhead_s * 1e6:.3g} us, "
                 f"per_prefill_overhead {c.per_prefill_overhead_s * 1e6:.3g} us, "
