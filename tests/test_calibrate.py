@@ -291,7 +291,7 @@ def test_calibration_recovers_known_coefficients_from_a_live_sim_server(tmp_path
     assert profile.drift["probe"].endswith("(drift check)") and abs(profile.drift["change"]) < 0.25
     assert "server speed" in out
     # A server of unknown kernels: its attention computes the causal pairs.
-    assert profile.coefficients.attention_key_block == 0 and "attention pairs       causal pairs only" in out
+    assert profile.coefficients.attention_key_block == 0 and "causal pairs only" in out
     # The stored coefficients drive the sim: its decode steps now take the server's time.
     sim = SimTarget(*profile.specs(), load_cost_profile(db, "known"))
     workload = synthesize(SynthSpec(num_requests=4, rate=100.0, input_len=parse_dist("32"),

@@ -241,11 +241,11 @@ def format_profile(profile: CalibrationProfile) -> str:
     lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
              + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
              f"in {profile.probe_wall_s:.0f} s of probes",
-             *(f"  {name:<24}{value:10.4g}{_bound_note(name, value)}" if value is not None
-               else f"  {name:<24}    (= {TIED_TO[name]})"
+             *(f"  {name:<29}{value:10.4g}{_bound_note(name, value)}" if value is not None
+               else f"  {name:<29}    (= {TIED_TO[name]})"
                for name, value in c.to_dict().items() if name not in NOT_FITTED),
-             f"  attention pairs       {_kernel_line(c)}",
-             (f"  client overhead       {profile.client_overhead_s * 1e3:8.3f} ms idle, "
+             f"  {'attention pairs':<29}{_kernel_line(c)}",
+             (f"  {'client overhead':<29}{profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
              *_drift_lines(profile.drift),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
@@ -281,7 +281,7 @@ def _kernel_line(c: CostCoefficients) -> str:
 def _drift_lines(drift: dict) -> list[str]:
     if not drift:
         return []
-    line = (f"  server speed          {drift['probe']}: ITL {drift['first_s'] * 1e3:.3f} ms first, "
+    line = (f"  {'server speed':<29}{drift['probe']}: ITL {drift['first_s'] * 1e3:.3f} ms first, "
             f"{drift['last_s'] * 1e3:.3f} ms last ({drift['change']:+.1%})")
     if abs(drift["change"]) <= DRIFT_WARN:
         return [line]
