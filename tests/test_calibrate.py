@@ -439,3 +439,17 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
                         "--db", db], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "nope" in p.stderr and "slow-a10" in p.stderr
+
+
+def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):
+    """Probe prompts are drawn anew each run: a calibration repeated on a server (whose prefix
+    cache still holds the first one's blocks) must time real prefills, not cache hits."""
+    from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
+    from kvtune.scrape import fetch, metrics_url, parse_exposition
+    plan = ProbePlan([Probe("prefill", "prefill L=256", 256, 1, (TTFT,), repeats=2)])
+    with sim_server(tmp_path, KNOWN) as server:
+        for _ in range(2):
+            run_probes(server.url, MODEL, plan)
+        snapshot = parse_exposition(fetch(metrics_url(server.url), 10.0))
+    assert snapshot.get("prefix_queries") >= 4 * 256  # the two runs' prompts (and warm-ups) were looked up
+    assert snapshot.get("prefix_hits") == 0

@@ -84,7 +84,9 @@ def add_calibrate_command(sub) -> None:
                    help="limit on the whole probe run (default: %(default)s)")
     g.add_argument("--request-timeout", type=positive_float, default=120.0, metavar="S",
                    help="limit on one probe request (default: %(default)s)")
-    g.add_argument("--seed", type=int, default=0, help="probe prompts' seed (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="probe prompts' seed (default: fresh prompts each run; the same seed twice on one server "
+                        "would hit the prefix cache the first run left)")
     g = p.add_argument_group("servers kvtune starts")
     g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
                    help="how long a started server may take to become healthy (default: %(default)s)")

@@ -33,8 +33,9 @@ allowed below that): both are fitted, and the second against the first
 (`speed_drift`) says how much the server's speed moved while it was probed, which
 a fit cannot tell from the cost model's own misfit.
 
-Every prompt is fresh random token ids (except the shared prefixes), so no
-probe hits another's cached blocks. Requests look like the load generator's
+Every prompt is fresh random token ids (except the shared prefixes), drawn
+anew each run, so no probe hits another's cached blocks, nor those an earlier
+calibration of the server left. Requests look like the load generator's
 (streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
 so the steps the server runs for probes are those it runs under load.
 """
@@ -376,7 +377,9 @@ def steady_itl(token_times: list[list[float]]) -> float:
 class ProbeOptions:
     request_timeout_s: float = 120.0  # one request, first byte to last token
     deadline_s: float = 900.0  # the whole probe run
-    seed: int = 0
+    # None: fresh prompts each run. A fixed seed repeats them, and a second calibration of the
+    # same server then hits the blocks the first left in its prefix cache (a 4k prefill in 14 ms).
+    seed: int | None = None
     settle_s: float = 0.02  # idle time between requests, so each starts on an idle engine
     warmup_requests: int = 3  # unmeasured batches before the probes
 
