@@ -220,7 +220,7 @@ class FitResult:
     nfev: int
     message: str
     initial: dict = field(default_factory=dict)  # the roofline's (uncalibrated) residual summary
-    split_costs: dict = field(default_factory=dict)  # the shared fit's cost, each split's from it, those taken
+    split_costs: dict = field(default_factory=dict)  # the shared fit's cost, and each split's from it
 
     def residuals(self) -> dict:
         return residual_summary(self.observations)
