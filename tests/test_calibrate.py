@@ -453,3 +453,16 @@ def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):
         snapshot = parse_exposition(fetch(metrics_url(server.url), 10.0))
     assert snapshot.get("prefix_queries") >= 4 * 256  # the two runs' prompts (and warm-ups) were looked up
     assert snapshot.get("prefix_hits") == 0
+
+
+def test_a_probe_whose_fresh_prompts_hit_the_prefix_cache_fails_clearly(tmp_path):
+    """The same seed twice on one server: the second run's prompts are in the cache, and the
+    probe says so instead of timing lookups as prefills."""
+    from kvtune.calibrate.probes import Probe, ProbeOptions, ProbePlan, run_probes
+    plan = ProbePlan([Probe("prefill", "prefill L=256", 256, 1, (TTFT,), repeats=2)])
+    with sim_server(tmp_path, KNOWN) as server:
+        runs = run_probes(server.url, MODEL, plan, ProbeOptions(seed=7))
+        assert len(runs) == 1
+        with pytest.raises(CalibrationError, match=r"probe 'prefill L=256' on http://127\.0\.0\.1:\d+: the server's "
+                                                   r"prefix cache served \d+ of 512 prompt tokens"):
+            run_probes(server.url, MODEL, plan, ProbeOptions(seed=7))

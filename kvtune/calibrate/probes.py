@@ -35,7 +35,9 @@ a fit cannot tell from the cost model's own misfit.
 
 Every prompt is fresh random token ids (except the shared prefixes), drawn
 anew each run, so no probe hits another's cached blocks, nor those an earlier
-calibration of the server left. Requests look like the load generator's
+calibration of the server left; where the server's prefix cache serves one
+anyway (over 10% of a probe's tokens, by its hit counter), the calibration
+stops and says so. Requests look like the load generator's
 (streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
 so the steps the server runs for probes are those it runs under load.
 """
@@ -407,6 +409,7 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
                 raise CalibrationError(_failure(url, warmup, err, check_alive)) from None
         for i, probe in enumerate(plan.probes):
             trials = []
+            hits_before = None if probe.prefix_len else await _prefix_hits(client)
             for _ in range(1 if probe.background else probe.repeats):
                 if time.monotonic() > deadline:
                     raise CalibrationError(f"probe {probe.label!r} on {url}: the probes ran past their "
@@ -420,6 +423,8 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
                         trials.append(await _trial(client, model_name, probe, warm, prompts, options))
                 except (httpx.HTTPError, _BadAnswer) as err:
                     raise CalibrationError(_failure(url, probe, err, check_alive)) from None
+            if hits_before is not None:
+                _check_no_hits(url, probe, trials, hits_before, await _prefix_hits(client))
             runs.append(ProbeRun(probe, trials))
             if progress is not None:
                 progress(i + 1, len(plan.probes), runs[-1])
@@ -461,19 +466,44 @@ async def _trial(client, model_name, probe: Probe, warm, prompts, options) -> Tr
     return trial
 
 
-async def _prefill_times(client) -> tuple[float, float] | None:
-    """(sum, count) of the server's vllm:request_prefill_time_seconds; None where it has none."""
+async def _scrape(client):
+    """The server's /metrics now, parsed; None where it has none (a server without /metrics
+    still calibrates on its TTFTs) or serves something else there (a proxy's page, say)."""
     try:
         resp = await client.get("/metrics")
     except httpx.HTTPError:
-        return None  # a server without /metrics still calibrates on its TTFTs
+        return None
     if resp.status_code != 200:
         return None
     try:
-        hist = parse_exposition(resp.text).histograms.get("prefill")
-    except ValueError:  # not Prometheus text (a proxy's page, say)
+        return parse_exposition(resp.text)
+    except ValueError:
         return None
+
+
+async def _prefill_times(client) -> tuple[float, float] | None:
+    """(sum, count) of the server's vllm:request_prefill_time_seconds; None where it has none."""
+    snapshot = await _scrape(client)
+    hist = None if snapshot is None else snapshot.histograms.get("prefill")
     return (hist.sum, hist.count) if hist is not None else None
+
+
+async def _prefix_hits(client) -> float | None:
+    """The server's prefix-cache hits so far (vllm:prefix_cache_hits); None where it exports none."""
+    snapshot = await _scrape(client)
+    return None if snapshot is None else snapshot.get("prefix_hits")
+
+
+def _check_no_hits(url: str, probe: Probe, trials: list[TrialRun], before: float, after: float | None) -> None:
+    """A probe of fresh prompts must compute them: cached blocks would time lookups, not prefills.
+    Chance matches of a few leading tokens (a radix cache's, SGLang) stay under the 10% allowed."""
+    sent = sum(len(p) for t in trials for p in (*t.prompts, *t.background))
+    if after is not None and after - before > 0.1 * sent:
+        raise CalibrationError(
+            f"probe {probe.label!r} on {url}: the server's prefix cache served {after - before:.0f} of {sent} "
+            "prompt tokens that should be new to it, so its timings are not the steps the probe designs (another "
+            "client sending the same token ids, or a repeated --seed); calibrate an idle server, or reset its "
+            "prefix cache (vLLM: POST /reset_prefix_cache)")
 
 
 async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> TrialRun:
