@@ -36,7 +36,7 @@ a fit cannot tell from the cost model's own misfit.
 Every prompt is fresh random token ids (except the shared prefixes), drawn
 anew each run, so no probe hits another's cached blocks, nor those an earlier
 calibration of the server left; where the server's prefix cache serves one
-anyway (over 10% of a probe's tokens, by its hit counter), the calibration
+anyway (over 10% of what a probe looked up, by its hit and query counters), the calibration
 stops and says so. Requests look like the load generator's
 (streaming /v1/completions, token-id prompts, ignore_eos, default sampling),
 so the steps the server runs for probes are those it runs under load.
@@ -424,7 +424,7 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
                 except (httpx.HTTPError, _BadAnswer) as err:
                     raise CalibrationError(_failure(url, probe, err, check_alive)) from None
             if hits_before is not None:
-                _check_no_hits(url, probe, trials, hits_before, await _prefix_hits(client))
+                _check_no_hits(url, probe, hits_before, await _prefix_hits(client))
             runs.append(ProbeRun(probe, trials))
             if progress is not None:
                 progress(i + 1, len(plan.probes), runs[-1])
@@ -488,22 +488,28 @@ async def _prefill_times(client) -> tuple[float, float] | None:
     return (hist.sum, hist.count) if hist is not None else None
 
 
-async def _prefix_hits(client) -> float | None:
-    """The server's prefix-cache hits so far (vllm:prefix_cache_hits); None where it exports none."""
+async def _prefix_hits(client) -> tuple[float, float, str] | None:
+    """The server's prefix-cache hits and queries so far (vllm:prefix_cache_hits and _queries) and
+    their unit (tokens, or blocks on older vLLM); None where it exports none."""
     snapshot = await _scrape(client)
-    return None if snapshot is None else snapshot.get("prefix_hits")
+    if snapshot is None or snapshot.get("prefix_hits") is None or snapshot.get("prefix_queries") is None:
+        return None
+    return snapshot.get("prefix_hits"), snapshot.get("prefix_queries"), snapshot.units.get("prefix_hits", "tokens")
 
 
-def _check_no_hits(url: str, probe: Probe, trials: list[TrialRun], before: float, after: float | None) -> None:
+def _check_no_hits(url: str, probe: Probe, before: tuple, after: tuple | None) -> None:
     """A probe of fresh prompts must compute them: cached blocks would time lookups, not prefills.
-    Chance matches of a few leading tokens (a radix cache's, SGLang) stay under the 10% allowed."""
-    sent = sum(len(p) for t in trials for p in (*t.prompts, *t.background))
-    if after is not None and after - before > 0.1 * sent:
+    Chance matches of a few leading tokens (a radix cache's, SGLang) stay under the 10% allowed.
+    Hits against queries, both in the server's own unit."""
+    if after is None:
+        return
+    hits, queries = after[0] - before[0], after[1] - before[1]
+    if queries > 0 and hits > 0.1 * queries:
         raise CalibrationError(
-            f"probe {probe.label!r} on {url}: the server's prefix cache served {after - before:.0f} of {sent} "
-            "prompt tokens that should be new to it, so its timings are not the steps the probe designs (another "
-            "client sending the same token ids, or a repeated --seed); calibrate an idle server, or reset its "
-            "prefix cache (vLLM: POST /reset_prefix_cache)")
+            f"probe {probe.label!r} on {url}: the server's prefix cache served {hits:.0f} of {queries:.0f} "
+            f"prompt {after[2]} that should be new to it, so its timings are not the steps the probe designs "
+            "(another client sending the same token ids, or a repeated --seed); calibrate an idle server, or "
+            "reset its prefix cache (vLLM: POST /reset_prefix_cache)")
 
 
 async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> TrialRun:
