@@ -1,5 +1,6 @@
 """LLMEngine with the sim executor in virtual time: numbers checkable by hand."""
 import dataclasses
+import inspect
 
 import pytest
 
@@ -7,6 +8,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvengine.cost import CostCoefficients, StepCost, torch_attention_kernel
 from kvengine.engine import LLMEngine
+from kvengine.executor import STEP_SHAPE_FIELDS
 from kvengine.request import PromptTooLongError, SamplingParams
 from kvengine.scheduler import kernel_pairs
 from kvengine.stats import request_timings
@@ -129,6 +131,13 @@ def test_chunks_after_context_have_their_own_attention_efficiency_where_one_is_g
     two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
     context_attention = chunk * two.attention_flops_per_pair / two.attention_flops_per_s
     assert two.step_time(*shape, chunk) - one.step_time(*shape) == pytest.approx(context_attention)
+
+
+def test_a_step_shapes_fields_are_step_times_parameters_in_order():
+    """The fit reads shape columns by these names; a field added to one and not the other
+    would price the wrong column."""
+    parameters = list(inspect.signature(StepCost.step_time).parameters)[1:]
+    assert list(STEP_SHAPE_FIELDS) == parameters
 
 
 def test_step_shape_counts_the_pairs_of_chunks_after_context_apart():

@@ -48,7 +48,10 @@ class SimExecutor:
         return self.cost.step_time(*shape)
 
 
-SHAPE_FIELDS = 9  # the length of a step_shape
+# A step_shape's fields: StepCost.step_time's parameters, in order.
+STEP_SHAPE_FIELDS = ("num_tokens", "num_seqs", "context_tokens", "attention_token_pairs", "num_samples",
+                     "num_prefills", "num_busy_arrivals", "decode_token_pairs", "context_chunk_pairs")
+SHAPE_FIELDS = len(STEP_SHAPE_FIELDS)
 
 
 def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,

@@ -26,7 +26,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import TIED_TO, CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
-from kvengine.executor import SHAPE_FIELDS, SimExecutor
+from kvengine.executor import SHAPE_FIELDS, STEP_SHAPE_FIELDS, SimExecutor
 from kvengine.request import SamplingParams
 from scipy.optimize import least_squares
 
@@ -341,11 +341,12 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
         if retry[0].cost < shared[0].cost:
             shared, first = retry, {}
-    # A split is judged on the timings whose steps it prices (the attention splits' pairs,
-    # SHAPE_FIELDS' last two): a kernel a few probes show would never cut the whole cost.
+    # A split is judged on the timings whose steps it prices (the attention splits' pairs):
+    # a kernel a few probes show would never cut the whole cost.
     everywhere = np.ones(len(obs), dtype=bool)
     fit, left, judged = (names, tied, shared), {KV: split_kv}, {KV: everywhere}
-    for name, column in ((DECODE_ATTN, 7), (CONTEXT_ATTN, 8)):
+    for name, field in ((DECODE_ATTN, "decode_token_pairs"), (CONTEXT_ATTN, "context_chunk_pairs")):
+        column = STEP_SHAPE_FIELDS.index(field)
         shows = np.array([shapes[o.steps, column].any() for o in obs])
         if shows.any():
             left[name], judged[name] = split_attention(name), shows
