@@ -3,9 +3,9 @@
 
 For each held-out workload, shaped unlike the probes: replays it on the bundled
 engine's torch executor on the CPU (`kvengine serve --executor torch --preset
-tiny --device cpu`, started by kvtune) twice, calibrates against that server
-between the two runs, and replays it on the sim (calibrated, and the plain
-roofline):
+tiny --device cpu`, started by kvtune, a fresh server per workload whose pool
+never wraps: see `evictions`) twice, calibrates against that server between the
+two runs, and replays it on the sim (calibrated, and the plain roofline):
 
 * azure:  a slice of the Azure 2023 conversation trace, lengths scaled to the
           tiny model's 4096 context and a CPU's speed;
@@ -52,6 +52,7 @@ from kvengine.torch_executor import gpu_preset_name, resolve_device, torch_devic
 
 from kvtune.calibrate import calibrate_url, format_profile
 from kvtune.calibrate.probes import steady_itl, stream_request
+from kvtune.scrape import parse_exposition
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
 from kvtune.targets.live import run_live
 from kvtune.targets.process import ManagedServer, free_port
@@ -108,6 +109,18 @@ def reference_itl(url: str, repeats: int = 3) -> float:
     return float(statistics.median(asyncio.run(timed())))
 
 
+def evictions(url: str) -> float:
+    """Cached blocks the server evicted to reuse them: its pool has wrapped where > 0.
+
+    A server hands out never-used blocks in address order until its pool
+    wraps; after that, in the order its traffic freed them, scattered over the pool. On a
+    CPU the decode's K/V reads of scattered blocks are up to 2x slower at 4k context
+    (measured on the torch executor: each block a cache and TLB miss), and the cost model
+    has no term for where blocks lie. So each workload gets a fresh server whose pool
+    (771k tokens at 2 GiB) outlasts its two runs and its probes (about 700k tokens)."""
+    return parse_exposition(httpx.get(url + "/metrics", timeout=30).text).get("kvengine_evictions") or 0.0
+
+
 def fresh_cache(url: str, run):
     """run() on a server whose prefix cache was just reset (each run starts cold)."""
     httpx.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
@@ -155,16 +168,17 @@ def main(argv=None) -> int:
     options = LiveOptions(device=profile_device, drain_timeout_s=120, scrape_interval_s=2.0)
     target = EngineTarget(options, executor="torch", preset=args.preset, device=torch_device,
                           device_memory=str(budget))
-    port = free_port()
-    rows, profiles, drift, spreads = [], {}, {}, {}
-    # One warm server for everything, its prefix cache reset before each run. Each workload
-    # runs live twice with its fit in between: a shared 2-CPU machine's speed drifts by 5-20%
-    # over minutes, and a fit between two runs compared with their mean cancels a steady drift
-    # (one fit for all three workloads put that drift into the last workload's error). A fixed
-    # decode is timed before the first run and after the second to show the drift.
-    with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
-        print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
-        for name, workload in workloads(args.quick):
+    rows, profiles, drift, spreads, wrapped = [], {}, {}, {}, {}
+    # A server per workload, its prefix cache reset before each run. Each workload runs live
+    # twice with its fit in between: a shared 2-CPU machine's speed drifts by 5-20% over
+    # minutes, and a fit between two runs compared with their mean cancels a steady drift. A
+    # fixed decode is timed before the first run and after the second to show the drift.
+    # Fresh servers, because a pool that has wrapped is a slower server (see evictions).
+    for name, workload in workloads(args.quick):
+        port = free_port()
+        with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
+            if not rows:
+                print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
             live_run = functools.partial(run_live, server.url, workload, "engine", args.preset, config, options,
                                          check_alive=server.check_alive)
             calibrate = functools.partial(calibrate_url, server.url, args.preset, profile_device, config,
@@ -178,22 +192,26 @@ def main(argv=None) -> int:
             print(f"# {name}: calibrated in {time.perf_counter() - t0:.0f} s\n{format_profile(profile)}", flush=True)
             lives.append(fresh_cache(server.url, live_run))
             drift[name] = reference_itl(server.url) / before - 1.0
-            calibrated = SimTarget(model, device, profile.coefficients, profile.client_overhead_s,
-                                   profile.client_overhead_busy_s).run(config, workload)
-            roofline = SimTarget(model, device).run(config, workload)
-            live = mean_summary([run.summary for run in lives])
-            spreads[name] = {k: rel(lives[1].summary.get(k), lives[0].summary.get(k)) for k in COLUMNS}
-            rows.append((name, len(workload), live, calibrated.summary, roofline.summary))
-            profiles[name] = profile
-            print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live runs "
-                  f"{', '.join(f'{run.wall_s:.0f} s' for run in lives)} "
-                  f"({sum(run.summary['failed'] for run in lives)} failed); the reference decode's ITL moved "
-                  f"{drift[name]:+.1%} from before the first run to after the second", flush=True)
+            wrapped[name] = evictions(server.url)
+        calibrated = SimTarget(model, device, profile.coefficients, profile.client_overhead_s,
+                               profile.client_overhead_busy_s).run(config, workload)
+        roofline = SimTarget(model, device).run(config, workload)
+        live = mean_summary([run.summary for run in lives])
+        spreads[name] = {k: rel(lives[1].summary.get(k), lives[0].summary.get(k)) for k in COLUMNS}
+        rows.append((name, len(workload), live, calibrated.summary, roofline.summary))
+        profiles[name] = profile
+        print(f"# {name}: {len(workload)} requests over {workload.duration_s:.0f} s, live runs "
+              f"{', '.join(f'{run.wall_s:.0f} s' for run in lives)} "
+              f"({sum(run.summary['failed'] for run in lives)} failed); the reference decode's ITL moved "
+              f"{drift[name]:+.1%} from before the first run to after the second"
+              + (f"; WARNING: its pool wrapped ({wrapped[name]:.0f} cached blocks evicted), so its later "
+                 "steps read scattered blocks (see evictions)" if wrapped[name] else ""), flush=True)
     load_after = os.getloadavg()
     print(format_table(rows, spreads))
     out = {"calibrated": summary_errors(rows, 3), "uncalibrated": summary_errors(rows, 4),
            "live_noise": noise_floor(spreads),
            "machine_drift": {k: round(v, 4) for k, v in drift.items()},
+           "pool_evictions": wrapped,
            "profiles": {name: {"coefficients": p.coefficients.to_dict(), "client_overhead_s": p.client_overhead_s,
                                "client_overhead_busy_s": p.client_overhead_busy_s, "fit_residuals": p.residuals}
                         for name, p in profiles.items()},
