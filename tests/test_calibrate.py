@@ -101,6 +101,12 @@ def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False, sp
 
 
 def virtual_loaded_trial(engine, probe, rng, busy_s):
+    shared, warm = rng.integers(1000, 30000, probe.prefix_len).tolist(), None
+    if probe.prefix_len:
+        warm = shared + rng.integers(1000, 30000, probe.warm_suffix).tolist()
+        engine.add_request("w", warm, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
     background = [rng.integers(1000, 30000, n).tolist() for n in probe.background_lens()]
     total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
     bg = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=total, ignore_eos=True))
@@ -113,7 +119,7 @@ def virtual_loaded_trial(engine, probe, rng, busy_s):
         before = engine.clock.now
         engine.step()  # the step it lands in, halfway on average
         sent = (before + engine.clock.now) / 2
-        prompt = rng.integers(1000, 30000, probe.prompt_len).tolist()
+        prompt = shared + rng.integers(1000, 30000, probe.prompt_len - probe.prefix_len).tolist()
         req = engine.add_request(f"a{k}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         while not req.num_output_tokens:
             engine.step()
@@ -121,7 +127,7 @@ def virtual_loaded_trial(engine, probe, rng, busy_s):
         timings.append(RequestTiming(sent, [req.token_times[0] + busy_s]))
     while engine.has_unfinished():
         engine.step()
-    return TrialRun(None, arrivals, timings, background, [RequestTiming(0.0, list(r.token_times)) for r in bg],
+    return TrialRun(warm, arrivals, timings, background, [RequestTiming(0.0, list(r.token_times)) for r in bg],
                     sent_at)
 
 
@@ -191,7 +197,7 @@ def test_fit_prices_each_attention_kernel_apart_where_it_shows():
 def test_probe_plan_is_bounded_and_fits_the_context():
     for quick in (True, False):
         plan = design_probes(4096, max_batch=64, pool_tokens=200_000, batch_tokens=2048, quick=quick)
-        assert plan.num_requests <= (400 if quick else 820)  # most of them 32-token decodes
+        assert plan.num_requests <= (420 if quick else 860)  # most of them 32-token decodes
         for p in plan.probes:
             assert p.prompt_len + p.max_tokens <= 4096
             assert p.batch * (p.prompt_len + p.max_tokens) <= 200_000
@@ -466,3 +472,27 @@ def test_a_probe_whose_fresh_prompts_hit_the_prefix_cache_fails_clearly(tmp_path
         with pytest.raises(CalibrationError, match=r"probe 'prefill L=256' on http://127\.0\.0\.1:\d+: the server's "
                                                    r"prefix cache served \d+ of 512 prompt tokens"):
             run_probes(server.url, MODEL, plan, ProbeOptions(seed=7))
+
+
+def test_a_loaded_prefix_probes_arrivals_hit_the_warm_prefix_amid_decodes(tmp_path):
+    """Arrivals sharing a warm prefix while a batch decodes: on the live server each finds the
+    prefix cached (its hit counter), and the replay prices their chunks as chunks after
+    context, in the same steps as the batch's decodes."""
+    from kvengine.executor import STEP_SHAPE_FIELDS
+    from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
+    from kvtune.scrape import fetch, metrics_url, parse_exposition
+    arrivals, prefix = 6, 256
+    plan = ProbePlan([Probe("loaded", "loaded prefix B=4 P=256 S=64", prefix + 64, 1, (TTFT, ITL),
+                            prefix_len=prefix, warm_suffix=16, repeats=arrivals, background=4,
+                            background_len=128)])
+    with sim_server(tmp_path, KNOWN) as server:
+        runs = run_probes(server.url, MODEL, plan)
+        snapshot = parse_exposition(fetch(metrics_url(server.url), 10.0))
+    assert snapshot.get("prefix_hits") == arrivals * prefix  # every arrival, its whole prefix
+    config = EngineConfig().resolve(model_preset(MODEL), device_preset(DEVICE))
+    shapes, observations = step_shapes(runs, model_preset(MODEL), device_preset(DEVICE), config)
+    ttft = next(o for o in observations if o.measure == TTFT)
+    steps = shapes[ttft.steps]
+    chunk, decode = (STEP_SHAPE_FIELDS.index(f) for f in ("context_chunk_pairs", "decode_token_pairs"))
+    mixed = (steps[:, chunk] > 0) & (steps[:, decode] > 0)
+    assert mixed.sum() >= int(np.ceil(0.8 * arrivals))  # the selected arrivals' own steps

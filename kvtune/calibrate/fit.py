@@ -130,6 +130,14 @@ def _engine(model, device, cfg, kernel: CostCoefficients) -> tuple[LLMEngine, _R
     return LLMEngine(cfg, model, device, executor=executor, clock=VirtualClock(), record_steps=False), executor
 
 
+def _warm_up(engine: LLMEngine, trial) -> None:
+    """A prefix probe's warm-up request, alone, before what is measured: it fills the cache."""
+    if trial.warmup is not None:
+        engine.add_request("warmup", trial.warmup, SamplingParams(max_tokens=1, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+
+
 def _replay(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     """An isolated probe: warm-up alone, then the batch at once. The TTFT spans the
     first request's steps up to its first token; the steady ITL averages the steps
@@ -137,10 +145,7 @@ def _replay(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     `probes.steady_itl`, which measures its mean gap)."""
     trial = run.trials[0]
     engine, executor = _engine(model, device, cfg, kernel)
-    if trial.warmup is not None:
-        engine.add_request("warmup", trial.warmup, SamplingParams(max_tokens=1, ignore_eos=True))
-        while engine.has_unfinished():
-            engine.step()
+    _warm_up(engine, trial)
     first = len(executor.shapes)
     token_steps: dict[str, list[int]] = {str(i): [] for i in range(len(trial.prompts))}
     for i, prompt in enumerate(trial.prompts):
@@ -164,6 +169,7 @@ def _replay_loaded(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     ones included."""
     trial = run.trials[0]
     engine, executor = _engine(model, device, cfg, kernel)
+    _warm_up(engine, trial)
     total = max(trial.sent_at_tokens) + 64  # more than the window needs: the live run cut it off
     reqs = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=total, ignore_eos=True))
             for i, p in enumerate(trial.background)]

@@ -20,7 +20,8 @@ terms of the cost model, alone on an idle server:
             arrive one by one, as under real traffic: their TTFT is the rest of
             a decode step, then a mixed step (their prefill with the batch's
             decodes), plus the client overhead of a busy server; the batch's
-            typical gap is a decode step over uneven contexts.
+            typical gap is a decode step over uneven contexts. Two of them have
+            arrivals sharing a warm prefix (a system prompt under traffic).
 
 Where the server exports vLLM's `vllm:request_prefill_time_seconds` (first
 scheduled to first token, timed by the engine core), each isolated single-request
@@ -122,7 +123,9 @@ class Probe:
 
     With `background` B: B requests (prompts of `background_len` tokens and shorter)
     decode while `repeats` requests of `prompt_len` arrive one after another (a
-    "loaded" probe): their TTFT, and the background's gap."""
+    "loaded" probe): their TTFT, and the background's gap. With `prefix_len` as well,
+    one warm-up goes first and every arrival shares its prefix (a system prompt's hits
+    under traffic)."""
 
     kind: str
     label: str
@@ -138,7 +141,8 @@ class Probe:
 
     @property
     def num_requests(self) -> int:
-        return self.repeats * (self.batch + (1 if self.prefix_len else 0)) + self.background
+        warmups = (1 if self.background else self.repeats) if self.prefix_len else 0
+        return self.repeats * self.batch + warmups + self.background
 
     def background_lens(self) -> list[int]:
         """The background's prompt lengths: spread from 32 to background_len (uneven
@@ -223,6 +227,14 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
             length = min(length, longest)
             probes.append(Probe("loaded", f"loaded B={b} L={length}", length, 1, (TTFT, ITL),
                                 repeats=LOADED_ARRIVALS, background=b, background_len=bg_len))
+    # Arrivals that hit a warm prefix amid decodes: the mixed steps a shared system prompt
+    # gives, whose chunks after context the isolated prefix probes price only alone.
+    prefix, suffix = min(1024, longest // 4), min(128, longest // 8)
+    for b in sorted({min(b, max_batch - 1) for b in ([8] if quick else [4, 16])}):
+        if b >= 1 and prefix + suffix < max_model_len - 8:
+            probes.append(Probe("loaded", f"loaded prefix B={b} P={prefix} S={suffix}", prefix + suffix, 1,
+                                (TTFT, ITL), prefix_len=prefix, warm_suffix=16, repeats=LOADED_ARRIVALS,
+                                background=b, background_len=bg_len))
     probes.append(drift_check)
     return ProbePlan(probes)
 
@@ -518,6 +530,10 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
     random part of a gap more, so they land at any point of a step). The background
     is cut off (its streams closed, which aborts it) once the last arrival is answered."""
     fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
+    shared, warm = (fresh(probe.prefix_len) if probe.prefix_len else []), None
+    if probe.prefix_len:  # alone first, so every arrival finds the prefix cached
+        warm = shared + fresh(probe.warm_suffix)
+        await stream_request(client, model_name, warm, 1)
     background = [fresh(n) for n in probe.background_lens()]
     total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
     timings_bg = [RequestTiming(0.0) for _ in background]
@@ -537,7 +553,7 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
             gaps = np.diff(first.token_times[-4:])
             await asyncio.sleep(float(rng.uniform(0, np.median(gaps))) if len(gaps) else 0.0)
             sent_at.append(len(first.token_times))
-            prompt = fresh(probe.prompt_len)
+            prompt = shared + fresh(probe.prompt_len - probe.prefix_len)
             arrivals.append(prompt)
             timings.append(await stream_request(client, model_name, prompt, 1))
         for t in tasks:
@@ -548,7 +564,7 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.sleep(options.settle_s)
-    return TrialRun(None, arrivals, timings, background, timings_bg, sent_at)
+    return TrialRun(warm, arrivals, timings, background, timings_bg, sent_at)
 
 
 async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: list[int], max_tokens: int,
