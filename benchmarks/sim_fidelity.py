@@ -18,8 +18,8 @@ the two live runs; their spread (the second against the first) is the noise
 floor, the error a perfect simulator would show against one run; each cell's
 error beyond its own spread is the part that noise does not explain. Goal: within
 15% on the p50s and 25% on the p95s. A fixed decode, timed before each
-workload's first run and after its second, shows the machine's drift. About 10
-minutes on 2 cores (--quick: about 4).
+workload's first run and after its second, shows the machine's drift. About 11
+minutes on 2 cores (--quick: about 5).
 
 --device cuda runs the same benchmark against the engine on a GPU (same model,
 workloads and pool, so the figures compare with the CPU's); the profile's
@@ -137,7 +137,7 @@ def rel(pred, meas):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 4 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer probes and shorter workloads (about 5 minutes)")
     ap.add_argument("--device", default="cpu", help="the engine's torch device: cpu, cuda or cuda:N "
                                                       "(default: %(default)s)")
     ap.add_argument("--preset", default="tiny", help="the engine's model preset, random weights (default: "
