@@ -20,8 +20,9 @@ terms of the cost model, alone on an idle server:
             arrive one by one, as under real traffic: their TTFT is the rest of
             a decode step, then a mixed step (their prefill with the batch's
             decodes), plus the client overhead of a busy server; the batch's
-            typical gap is a decode step over uneven contexts. Two of them have
-            arrivals sharing a warm prefix (a system prompt under traffic).
+            typical gap is a decode step over uneven contexts. In two of them
+            (one with --quick) the arrivals share a warm prefix (a system prompt
+            under traffic).
 
 Where the server exports vLLM's `vllm:request_prefill_time_seconds` (first
 scheduled to first token, timed by the engine core), each isolated single-request
@@ -530,9 +531,9 @@ async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> Trial
     random part of a gap more, so they land at any point of a step). The background
     is cut off (its streams closed, which aborts it) once the last arrival is answered."""
     fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
-    shared, warm = (fresh(probe.prefix_len) if probe.prefix_len else []), None
-    if probe.prefix_len:  # alone first, so every arrival finds the prefix cached
-        warm = shared + fresh(probe.warm_suffix)
+    shared = fresh(probe.prefix_len) if probe.prefix_len else []
+    warm = shared + fresh(probe.warm_suffix) if probe.prefix_len else None
+    if warm is not None:  # alone first, so every arrival finds the prefix cached
         await stream_request(client, model_name, warm, 1)
     background = [fresh(n) for n in probe.background_lens()]
     total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
