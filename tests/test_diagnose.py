@@ -291,7 +291,7 @@ def test_f6_max_num_seqs_far_above_what_the_pool_holds():
     assert f6.severity == "critical"
     assert evidence(f6, "vllm:num_preemptions_total").value == result.summary["preemptions"] >= 5
     assert evidence(f6, "windows with preemptions").value >= 0.25
-    assert evidence(f6, "vllm:kv_cache_usage_perc peak").value >= 0.95
+    assert evidence(f6, "vllm:kv_cache_usage_perc peak").value >= 0.9
     fit = int(max_concurrency(400, 16, math.ceil(p99_context(result))))
     assert f6.fix.startswith(f"`--max-num-seqs 256 → {fit}`")
     # The fix works: at that max_num_seqs the same workload is not preempted.
@@ -301,6 +301,14 @@ def test_f6_max_num_seqs_far_above_what_the_pool_holds():
 
 def test_f6_respects_its_thresholds():
     assert "F6" not in fired(preemption_run(), min_preemptions=10_000)
+    assert "F6" not in fired(preemption_run(), usage_high=1.01)  # the pool never came near its limit
+
+
+def test_f6_does_not_need_a_scrape_to_catch_the_pool_exactly_full():
+    """Each preemption frees its victim's blocks at once, so on a small pool the scrapes
+    between preemptions read below full (a live 100-block pool peaked at 92.9% in 6 scrapes
+    while it preempted 17 times); the sustained preemptions themselves show it ran out."""
+    assert "F6" in fired(preemption_run(), usage_saturated=1.01)
 
 
 # -- F7 ------------------------------------------------------------------------

@@ -50,14 +50,17 @@ def preemption_thrash(f: RunFacts) -> Diagnosis | None:
     preempting = b.preemptions > 0
     sustained = preempting.sum() / len(b)
     usage_peak = s.peak("kv_usage") or 0.0
-    if sustained < th.preempting_fraction or usage_peak < th.usage_saturated:
+    # A preemption is itself the proof that the pool ran out (vLLM preempts only when it
+    # cannot allocate a block), and it frees the victim's blocks at once: on a small pool
+    # scrapes between preemptions read 5-15% below full. So "near the limit", not "full".
+    if sustained < th.preempting_fraction or usage_peak < th.usage_high:
         return None
     share = f.preempted_share()
     evidence = [
         Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
         Evidence("windows with preemptions", f"{len(b)} windows of {b.length:.1f} s", round(sustained, 3),
                  f">= {th.preempting_fraction:g} of the windows"),
-        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_saturated:g}"),
+        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_high:g}"),
         _running_evidence(f),
     ]
     if share is not None:

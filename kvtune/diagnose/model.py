@@ -46,8 +46,8 @@ class Thresholds:
     # "Sustained": the share of run time a condition must hold
     sustained_fraction: float = 0.1
     # KV usage levels
-    usage_high: float = 0.9  # F1: blocks near the limit
-    usage_saturated: float = 0.95  # F6, F8: the pool is full
+    usage_high: float = 0.9  # F1, F6: blocks near the limit
+    usage_saturated: float = 0.95  # F8: the pool is full
     usage_busy: float = 0.5  # F2: contexts fill a good part of the pool
     # Latency SLOs (client percentiles, else the server's histograms)
     ttft_p95_slo_s: float = 1.0
