@@ -52,7 +52,7 @@ from kvengine.torch_executor import gpu_preset_name, resolve_device, torch_devic
 
 from kvtune.calibrate import calibrate_url, format_profile
 from kvtune.calibrate.probes import steady_itl, stream_request
-from kvtune.scrape import parse_exposition
+from kvtune.scrape import fetch, metrics_url, parse_exposition
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
 from kvtune.targets.live import run_live
 from kvtune.targets.process import ManagedServer, free_port
@@ -118,7 +118,7 @@ def evictions(url: str) -> float:
     (measured on the torch executor: each block a cache and TLB miss), and the cost model
     has no term for where blocks lie. So each workload gets a fresh server whose pool
     (771k tokens at 2 GiB) outlasts its two runs and its probes (about 700k tokens)."""
-    return parse_exposition(httpx.get(url + "/metrics", timeout=30).text).get("kvengine_evictions") or 0.0
+    return parse_exposition(fetch(metrics_url(url), 30.0)).get("kvengine_evictions") or 0.0
 
 
 def fresh_cache(url: str, run):

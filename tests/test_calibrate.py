@@ -81,7 +81,7 @@ def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False, sp
             warm, prompts = probe_prompts(probe, rng)
             engine = LLMEngine(config, model, device, clock=VirtualClock(), cost_coefficients=coeffs)
             if probe.background:
-                trials.append(virtual_loaded_trial(engine, probe, rng, busy_s))
+                trials.append(virtual_loaded_trial(engine, probe, warm, rng, busy_s))
                 continue
             if warm:
                 engine.add_request("w", warm, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -100,10 +100,9 @@ def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False, sp
     return runs
 
 
-def virtual_loaded_trial(engine, probe, rng, busy_s):
-    shared, warm = rng.integers(1000, 30000, probe.prefix_len).tolist(), None
-    if probe.prefix_len:
-        warm = shared + rng.integers(1000, 30000, probe.warm_suffix).tolist()
+def virtual_loaded_trial(engine, probe, warm, rng, busy_s):
+    shared = warm[:probe.prefix_len] if warm is not None else []
+    if warm is not None:
         engine.add_request("w", warm, SamplingParams(max_tokens=1, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()

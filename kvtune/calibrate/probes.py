@@ -431,7 +431,7 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
                 warm, prompts = probe_prompts(probe, rng)
                 try:
                     if probe.background:
-                        trials.append(await _loaded_trial(client, model_name, probe, rng, options))
+                        trials.append(await _loaded_trial(client, model_name, probe, warm, rng, options))
                     else:
                         trials.append(await _trial(client, model_name, probe, warm, prompts, options))
                 except (httpx.HTTPError, _BadAnswer) as err:
@@ -525,14 +525,14 @@ def _check_no_hits(url: str, probe: Probe, before: tuple, after: tuple | None) -
             "reset its prefix cache (vLLM: POST /reset_prefix_cache)")
 
 
-async def _loaded_trial(client, model_name, probe: Probe, rng, options) -> TrialRun:
+async def _loaded_trial(client, model_name, probe: Probe, warm, rng, options) -> TrialRun:
     """Background requests decode; arrivals are sent one at a time, the k-th once the
     background's first request has LOADED_FIRST + k * LOADED_SPACING tokens (and a
     random part of a gap more, so they land at any point of a step). The background
-    is cut off (its streams closed, which aborts it) once the last arrival is answered."""
+    is cut off (its streams closed, which aborts it) once the last arrival is answered.
+    `warm` (probe_prompts'): a prefix probe's warm-up, whose prefix every arrival shares."""
     fresh = lambda n: rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
-    shared = fresh(probe.prefix_len) if probe.prefix_len else []
-    warm = shared + fresh(probe.warm_suffix) if probe.prefix_len else None
+    shared = warm[:probe.prefix_len] if warm is not None else []
     if warm is not None:  # alone first, so every arrival finds the prefix cached
         await stream_request(client, model_name, warm, 1)
     background = [fresh(n) for n in probe.background_lens()]
