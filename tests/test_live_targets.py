@@ -179,8 +179,9 @@ def test_kvtune_run_engine_torch_end_to_end(tmp_path):
                         hash_block_size=32)
     write_workload(workload, str(trace))
     db = f"sqlite:///{tmp_path}/runs.db"
+    # block size 32 (the CPU default is 128, as vLLM's CPU build): the prompts share one 32-token block
     p = kvtune("run", "--target", "engine", "--executor", "torch", "--workload", str(trace), "--users", "16",
-               "--device-memory", "1GiB", "--max-model-len", "1024", "--db", db, "--json")
+               "--device-memory", "1GiB", "--max-model-len", "1024", "--block-size", "32", "--db", db, "--json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["completed"] == 12 and s["server_generation_tokens"] == 12 * 8

@@ -41,18 +41,22 @@ def engine_config(run_config: dict, params: dict) -> EngineConfig:
 
 
 def launch_commands(config: EngineConfig, preset: str | None, device: str | None,
-                    served_model: str | None = None) -> list[LaunchCommand]:
-    """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model."""
+                    served_model: str | None = None, env: dict | None = None) -> list[LaunchCommand]:
+    """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model;
+    `env`: the environment the measured server ran with (VLLM_CPU_KVCACHE_SPACE=...), which the
+    vLLM command must carry to reproduce its pool."""
     model = served_model or _PLACEHOLDER
     out = []
-    for server, target in (("vLLM", VllmTarget(model=model)),
-                           ("SGLang", SglangTarget(model=model, python="python"))):
+    for server, target, server_env in (("vLLM", VllmTarget(model=model, vllm_command="vllm"), env or {}),
+                                       ("SGLang", SglangTarget(model=model, python="python"), {})):
         try:
             argv = _strip_local(target.command(config, 0))
         except TargetStartError as err:
             out.append(LaunchCommand(server, None, str(err)))
         else:
-            out.append(LaunchCommand(server, _shell(argv)))
+            prefix = [f"{k}={shlex.quote(str(v))}" for k, v in sorted(server_env.items())]
+            note = (f"with {', '.join(prefix)}: the environment the measured server ran with" if prefix else "")
+            out.append(LaunchCommand(server, _shell(argv, prefix), note))
     engine = EngineTarget(executor="sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
     argv = ["kvengine", *_strip_local(engine.command(config, 0))[3:]]  # `python -m kvengine` is `kvengine`
     out.append(LaunchCommand("kvengine", _shell(argv),
@@ -80,10 +84,10 @@ def _strip_local(argv: list[str]) -> list[str]:
     return out
 
 
-def _shell(argv: list[str]) -> str:
+def _shell(argv: list[str], env: list[str] = ()) -> str:
     """One flag per line, so a reader sees each knob; pastes as one command."""
     words = [shlex.quote(a).replace(_PLACEHOLDER, f'"{MODEL_VAR}"') for a in argv]
-    lines, current = [], []
+    lines, current = [], list(env)
     for word in words:
         if word.startswith("--") and current:
             lines.append(" ".join(current))

@@ -9,12 +9,13 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 
 from ..calibrate import get_profile
 from ..store import Store, add_db_argument, resolve_db_url
-from ..targets import EngineTarget, LiveOptions, SglangTarget, SimTarget, VllmTarget
+from ..targets import SimTarget
+from ..targets.build import add_server_flags, live_target
 from ..workload import FORMATS, head, read_workload
 from ..workload.cli import positive_float, positive_int
 from .objective import OBJECTIVES, Objective
 from .slo import parse_slo
-from .space import load_space
+from .space import SearchSpace, load_space
 from .stage2 import DEFAULT_NUMBER, Candidate, default_params, representable, run_stage2
 from .study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
 
@@ -59,13 +60,8 @@ def add_search_command(sub) -> None:
     g.add_argument("--executor", choices=("sim", "torch"), default="sim",
                    help="the engine target's executor: sim serves the same simulated device in wall-clock "
                         "time (default: %(default)s)")
-    g.add_argument("--model", help="vllm/sglang: the model to serve")
-    g.add_argument("--vllm-command", default="vllm")
-    g.add_argument("--sglang-python", default="python3")
     g.add_argument("--live-head", type=positive_int, metavar="N", help="stage 2 replays only the first N requests")
-    g.add_argument("--users", type=positive_int, default=256, help="most requests in flight in stage 2")
-    g.add_argument("--locust-workers", "--workers", dest="workers", type=int, default=0,
-                   help="stage 2 load through a Locust master and this many workers (0: one process)")
+    add_server_flags(p)
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
     g.add_argument("--study", help="study name: resume it, or share it with other kvtune search processes "
@@ -102,7 +98,14 @@ def cmd_search(args) -> int:
         model, device = model_preset(args.preset), device_preset(args.device)
         sim = SimTarget(model, device)
     base = EngineConfig(max_model_len=args.max_model_len)
+    live = _live_target(args) if args.target != "none" else None
     default = base.resolve(model, device)
+    if live is not None:
+        # the live target's own rules: what it takes, and what it runs when given no flags
+        space, notes = space.for_target(live.rules, _explicit_knobs(space, optional))
+        default = live.rules.default_config(base).resolve(model, device)
+        for note in notes:
+            print(f"note: {note}")
     workload = read_workload(args.workload, format=args.format)
     db_url = resolve_db_url(args.db)
     store = Store(db_url)
@@ -134,11 +137,10 @@ def cmd_search(args) -> int:
         if all(c.label != "default" for c in candidates):
             dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
             candidates.append(Candidate("default", dnum, dflt))
-        live_target = _live_target(args)
         live_workload = head(workload, args.live_head) if args.live_head else workload
         print(f"stage 2: {len(candidates)} configs on the {args.target} target "
               f"({len(live_workload)} requests over {live_workload.duration_s:.0f} s each)")
-        outcomes = run_stage2(live_target.run, candidates, space, base, live_workload, objective, store, name,
+        outcomes = run_stage2(live.run, candidates, space, base, live_workload, objective, store, name,
                               on_result=lambda o: print(f"  {o.candidate.label}: " + (
                                   f"failed: {o.error}" if o.error else _score_text(o.score))))
     print(_final_table(ranked[:max(args.top_k, 1)], ranked, outcomes, objective))
@@ -185,13 +187,16 @@ class _progress:
 
 
 def _live_target(args):
-    options = LiveOptions(users=args.users, workers=args.workers, device=args.device)
-    if args.target == "engine":
-        preset, device = (args.preset, args.device) if args.executor == "sim" else ("tiny", "cpu")
-        return EngineTarget(options, executor=args.executor, preset=preset, device=device)
-    if args.target == "vllm":
-        return VllmTarget(options, model=args.model or "", vllm_command=args.vllm_command)
-    return SglangTarget(options, model=args.model or "", python=args.sglang_python)
+    preset, device = (args.preset, args.device) if args.executor == "sim" else ("tiny", "cpu")
+    if args.target != "engine":
+        preset, device = args.preset, args.device
+    return live_target(args.target, args, preset, device)
+
+
+def _explicit_knobs(space: SearchSpace, optional: tuple[str, ...]) -> set[str]:
+    """The knobs whose values the operator chose (--space, --space-file)."""
+    default = {k.name: k for k in SearchSpace.default(optional).knobs}
+    return {k.name for k in space.knobs if default.get(k.name) != k}
 
 
 def _knob_text(knob) -> str:
@@ -236,7 +241,8 @@ def _final_table(top, ranked, outcomes, objective: Objective) -> str:
         live_value = "-" if o is None else ("failed" if o.error else f"{o.values[0]:.2f}{unit}")
         feas = feasible if o is None or o.score is None else o.score.feasible
         label = "default" if o is not None and o.candidate.label == "default" else str(number)
-        lines.append(f"{label:>6}  {params.get('block_size', '-'):>5} {params.get('gpu_memory_utilization', 0):>5.2f} "
+        util = params.get("gpu_memory_utilization")
+        lines.append(f"{label:>6}  {params.get('block_size', '-'):>5} {'-' if util is None else f'{util:.2f}':>5} "
                      f"{params.get('max_num_seqs', '-'):>5} {params.get('kv_cache_dtype', '-'):>5}  "
                      f"{'-' if sim_value is None else f'{sim_value:.2f}{unit}':>12}  {live_value:>12}  "
                      f"{'-' if feas is None else ('yes' if feas else 'no')}")

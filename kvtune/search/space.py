@@ -103,6 +103,34 @@ class SearchSpace:
         current = {k.name: k for k in self.knobs} | knobs
         return SearchSpace(tuple(current[name] for name in KNOBS if name in current))
 
+    def for_target(self, rules, explicit: set[str] = frozenset()) -> tuple["SearchSpace", list[str]]:
+        """The space a target can run (`rules`: kvtune.targets.rules.TargetRules), and a line for each
+        change. Values the operator named (`explicit` knobs) that the target refuses are an error."""
+        knobs, notes = [], []
+        for knob in self.knobs:
+            allowed = {"block_size": rules.block_sizes, "kv_cache_dtype": rules.kv_cache_dtypes}.get(knob.name)
+            if knob.name == "gpu_memory_utilization" and not rules.utilization_sizes_pool:
+                if knob.name in explicit:
+                    raise SpaceError(f"gpu_memory_utilization: {rules.server} ignores it ({rules.pool_knob} "
+                                     "sizes the pool); leave it out of --space")
+                notes.append(f"gpu_memory_utilization is not searched: {rules.server} ignores it "
+                             f"({rules.pool_knob} sizes the pool)")
+                continue
+            if allowed is None or knob.choices is None:
+                knobs.append(knob)
+                continue
+            kept = tuple(v for v in knob.choices if v in allowed)
+            refused = [v for v in knob.choices if v not in allowed]
+            if refused and knob.name in explicit:
+                raise SpaceError(f"{knob.name}: {rules.server} refuses {', '.join(map(str, refused))}; it takes "
+                                 f"{', '.join(map(str, allowed))}")
+            if knob.name == "block_size" and not explicit & {"block_size"}:
+                kept = tuple(v for v in allowed if v >= min(knob.choices)) or tuple(allowed)
+            if kept != knob.choices:
+                notes.append(f"{knob.name} searched over {', '.join(map(str, kept))}: what {rules.server} takes")
+            knobs.append(dataclasses.replace(knob, choices=kept))
+        return SearchSpace(tuple(knobs)), notes
+
     def config(self, params: dict, base: EngineConfig) -> EngineConfig:
         """The engine config a trial's parameters describe (the rest from `base`)."""
         return dataclasses.replace(base, **params)

