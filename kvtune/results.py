@@ -89,6 +89,26 @@ def quantiles(values, prefix: str) -> dict:
     return out
 
 
+def quantile_bound(summary: dict, key: str) -> tuple[str, float] | None:
+    """Where a summary's histogram quantile `key` (e.g. server_queue_p50) is known only as a bound:
+    ("<", b) when its rank fell in the first bucket (0, b], (">", b) in the +Inf bucket above b;
+    None when it is a value (or missing). See kvtune.targets.live.server_figures."""
+    if summary.get(key) is not None:
+        return None
+    if summary.get(key + "_below") is not None:
+        return "<", summary[key + "_below"]
+    if summary.get(key + "_above") is not None:
+        return ">", summary[key + "_above"]
+    return None
+
+
+def bound_text(sign: str, seconds: float) -> str:
+    """'< 300 ms', '< 1 ms', '> 80 s': a bucket bound of a latency histogram, as it reads."""
+    if seconds >= 10:
+        return f"{sign} {seconds:,g} s"
+    return f"{sign} {seconds * 1000:,.4g} ms"
+
+
 def summarize(result: RunResult) -> dict:
     """The plain figures of a run (seconds, tokens, fractions)."""
     ok = [r for r in result.requests if r.ok]

@@ -371,6 +371,22 @@ def test_histogram_quantile_over_windows_and_resets():
     assert whole.quantile(0.5) == pytest.approx(0.5 + 0.5 * 4 / 13) and whole.mean() == pytest.approx(1 / 20)
 
 
+def test_quantiles_in_the_first_or_the_inf_bucket_are_only_bounds():
+    """Prometheus interpolates inside (0, b] from 0 and answers the last bound for +Inf; neither is a
+    measurement, so the bounded form says "< b" or "> last bound" instead."""
+    log = ScrapeLog([hist_snapshot(0.0, [2, 6, 9, 10]),
+                     hist_snapshot(1.0, [2, 6, 19, 20]),
+                     hist_snapshot(2.0, [1, 1, 1, 1])])
+    assert log.histogram_quantile_bound("e2e", 0.5, t1=1).value == log.histogram_quantile("e2e", 0.5, t1=1)
+    after_reset = log.histogram_quantile_bound("e2e", 0.05)  # rank 0.55 of 11, in (0, 0.1]
+    assert after_reset.value is None and after_reset.below == 0.1
+    whole = log.snapshots[0].histograms["e2e"]
+    assert whole.quantile(0.95) == 1.0 and whole.quantile_bound(0.95).above == 1.0  # rank 9.5 in +Inf
+    assert whole.quantile_bound(0.9).value == pytest.approx(1.0)  # rank 9 of 10: inside (0.5, 1.0]
+    missing = log.histogram_quantile_bound("ttft", 0.5)
+    assert not missing.known and missing.value is None
+
+
 def test_histogram_sum_of_different_buckets_is_monotonic():
     a = Histogram([0.1, 1.0, math.inf], [1, 2, 2], 0.5, 2)
     b = Histogram([0.5, math.inf], [3, 4], 1.0, 4)

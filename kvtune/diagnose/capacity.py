@@ -42,7 +42,16 @@ def head_of_line_blocking(f: RunFacts) -> Diagnosis | None:
 
 
 def preemption_thrash(f: RunFacts) -> Diagnosis | None:
-    """F6: preemptions sustained over the run with the pool full: too many running sequences for it."""
+    """F6: preemptions over the run with the pool full: too many running sequences for it.
+
+    Judged on the server's counts: vllm:num_preemptions_total, and where the server has it
+    vllm:request_num_preemptions (how many finished requests were preempted at least once). A live
+    run's clients cannot see preemptions, so their records (always 0) never lower the severity.
+    Either the preemptions are spread over the run's windows with the pool near its limit, or the
+    server's histogram says they reached at least preempted_share_critical of the requests: vLLM
+    preempts only when no block is free, so that is thrash however bursty, and whatever the
+    scrapes of kv_cache_usage_perc happened to catch between preemptions.
+    """
     s, b, th = f.series, f.bins, f.th
     preemptions = s.total("num_preemptions")
     if not preemptions or preemptions < th.min_preemptions or b is None:
@@ -50,12 +59,16 @@ def preemption_thrash(f: RunFacts) -> Diagnosis | None:
     preempting = b.preemptions > 0
     sustained = preempting.sum() / len(b)
     usage_peak = s.peak("kv_usage") or 0.0
+    preempted = f.preempted()
+    share = preempted.share if preempted is not None else None
+    server_says = preempted is not None and preempted.from_server and share is not None \
+        and share >= th.preempted_share_critical
     # A preemption is itself the proof that the pool ran out (vLLM preempts only when it
     # cannot allocate a block), and it frees the victim's blocks at once: on a small pool
     # scrapes between preemptions read 5-15% below full. So "near the limit", not "full".
-    if sustained < th.preempting_fraction or usage_peak < th.usage_high:
+    spread = sustained >= th.preempting_fraction and usage_peak >= th.usage_high
+    if not (spread or server_says):
         return None
-    share = f.preempted_share()
     evidence = [
         Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
         Evidence("windows with preemptions", f"{len(b)} windows of {b.length:.1f} s", round(sustained, 3),
@@ -64,8 +77,13 @@ def preemption_thrash(f: RunFacts) -> Diagnosis | None:
         _running_evidence(f),
     ]
     if share is not None:
-        evidence.append(Evidence("requests preempted at least once", s.whole(), round(share, 3),
-                                 f"critical at >= {th.preempted_share_critical:g}"))
+        evidence.append(Evidence(f"requests preempted at least once ({preempted.source})",
+                                 f"{preempted.text} finished requests", round(share, 3),
+                                 f"critical at >= {th.preempted_share_critical:g}"
+                                 + ("" if spread else "; fires alone from the server's histogram")))
+        if preempted.per_request is not None:
+            evidence.append(Evidence(f"preemptions per request (mean, {preempted.source})", s.whole(),
+                                     round(preempted.per_request, 2), "0 when the pool holds them all"))
     critical = share is None or share >= th.preempted_share_critical
     return Diagnosis(
         "F6", "critical" if critical else "warning",

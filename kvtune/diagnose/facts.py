@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..results import RequestRecord, RunResult
+from ..results import RequestRecord, RunResult, bound_text, quantile_bound
 from .latency import Contexts, completed, contexts_from_profile, contexts_from_requests, percentile
 from .model import Thresholds
 from .pool import Pool, pool_of
 from .signals import Bins, Series, time_bins
+
+SERVER_HISTOGRAM = "vllm:request_num_preemptions"
 
 
 @dataclass
@@ -44,15 +46,77 @@ class RunFacts:
         return self.result.workload.get("ideal_prefix_hit_rate")
 
     def ttft_p95(self) -> tuple[float | None, str]:
-        """The clients' TTFT p95, else the server histogram's."""
+        """The clients' TTFT p95, else the server histogram's. Where that lies in the +Inf bucket,
+        its last bound (the p95 is above it); in the first bucket, None (it is below a millisecond)."""
         if self.requests:
             return percentile([r.ttft_s for r in self.requests], 95), "TTFT p95 (clients)"
-        return self.result.summary.get("server_ttft_p95"), "TTFT p95 (server histogram)"
+        summary = self.result.summary
+        bound = quantile_bound(summary, "server_ttft_p95")
+        if bound is not None and bound[0] == ">":
+            return bound[1], f"TTFT p95 (server histogram: {bound_text(*bound)})"
+        return summary.get("server_ttft_p95"), "TTFT p95 (server histogram)"
+
+    @property
+    def live(self) -> bool:
+        """The run's figures include a live server's own counters (scraped /metrics)."""
+        return "server_preemptions" in self.result.summary
+
+    def preempted(self) -> Preempted | None:
+        """Requests preempted at least once: the server's vllm:request_num_preemptions histogram where
+        the run has it; else the records where they can see preemptions (the simulator's do: a live
+        server's clients cannot, theirs always read 0); else None (unknown)."""
+        s = self.result.summary
+        finished = s.get("server_request_preemptions_count")
+        if finished and s.get("server_requests_preempted") is not None:
+            most = s.get("server_requests_preempted_max", s["server_requests_preempted"])
+            return Preempted(int(s["server_requests_preempted"]), int(most), int(finished),
+                             s.get("server_preemptions_per_request"), SERVER_HISTOGRAM)
+        if self.live or not self.requests:
+            return None
+        counts = [r.num_preemptions for r in self.requests]
+        hit = sum(c > 0 for c in counts)
+        return Preempted(hit, hit, len(counts), sum(counts) / len(counts), "requests' records")
 
     def preempted_share(self) -> float | None:
+        p = self.preempted()
+        return p.share if p is not None else None
+
+    def cached_tokens_per_request(self) -> tuple[float | None, str]:
+        """Mean cached prompt tokens per completed request: the records' (clients see them only with
+        vLLM's --enable-prompt-tokens-details), else the server's vllm:prompt_tokens_by_source
+        local_cache_hit (+ external) over the requests it finished."""
+        records = sum(r.cached_tokens for r in self.requests)
+        server = self.result.summary.get("server_cached_prompt_tokens")
+        finished = self.result.summary.get("server_e2e_count") or len(self.requests)
+        if (records == 0 or not self.requests) and server is not None and finished:
+            return server / finished, "cached prompt tokens per request (server, prompt_tokens_by_source)"
         if not self.requests:
-            return None
-        return sum(r.num_preemptions > 0 for r in self.requests) / len(self.requests)
+            return None, "cached prompt tokens per request"
+        return records / len(self.requests), "cached prompt tokens per request (mean)"
+
+
+@dataclass
+class Preempted:
+    """Requests preempted at least once over the run, as far as `source` tells."""
+
+    fewest: int
+    most: int  # equal to `fewest` unless the histogram's coarse buckets leave a range
+    requests: int  # the requests it covers (finished ones)
+    per_request: float | None  # mean preemptions per request
+    source: str
+
+    @property
+    def from_server(self) -> bool:
+        return self.source == SERVER_HISTOGRAM
+
+    @property
+    def share(self) -> float | None:
+        return self.fewest / self.requests if self.requests else None
+
+    @property
+    def text(self) -> str:
+        count = f"{self.fewest}" if self.fewest == self.most else f"{self.fewest}–{self.most}"
+        return f"{count} of {self.requests}"
 
 
 def gather(result: RunResult, th: Thresholds) -> RunFacts:

@@ -104,7 +104,7 @@ def session_reprefill(f: RunFacts) -> Diagnosis | None:
         return None
     calls = requests / sessions
     prompt_mean = sum(r.prompt_tokens for r in f.requests) / len(f.requests)
-    cached_mean = sum(r.cached_tokens for r in f.requests) / len(f.requests)
+    cached_mean, cached_name = f.cached_tokens_per_request()
     ttft_mean = sum(r.ttft_s for r in f.requests) / len(f.requests)
     hit = f.hit_rate or 0.0
     ideal = f.ideal_hit_rate
@@ -118,7 +118,8 @@ def session_reprefill(f: RunFacts) -> Diagnosis | None:
                  f"{ttft_mean:.3f} s × {calls:.1f} = {ttft_mean * calls:.2f} s", f"> {th.session_ttft_s:g} s"),
         Evidence("prompt tokens per request (mean)", s.whole(), round(prompt_mean),
                  f"long at >= {th.long_prompt_tokens}"),
-        Evidence("cached prompt tokens per request (mean)", s.whole(), round(cached_mean), "most of the prompt"),
+        Evidence(cached_name, s.whole(), None if cached_mean is None else round(cached_mean),
+                 "most of the prompt"),
         *_hit_rate_evidence(f, None if f.prefix_caching_off else hit),
     ]
     action = "keep the shared context stable and first, and shorten tool descriptions"

@@ -69,8 +69,11 @@ def pool_overview(f: RunFacts) -> list[str]:
     hit, ideal = f.hit_rate, f.ideal_hit_rate
     lines.append(f"prefix hits  {_pct(hit)} observed, {_pct(ideal)} ideal (unbounded cache)"
                  + ("; prefix caching off" if f.prefix_caching_off else ""))
+    preempted = f.preempted()
     lines.append(f"preemptions  {int(s.total('num_preemptions') or 0):,}; peak running "
-                 f"{int(s.peak('num_running') or 0):,}")
+                 f"{int(s.peak('num_running') or 0):,}"
+                 + (f"; {preempted.text} requests preempted at least once ({preempted.source})"
+                    if preempted is not None and preempted.requests else ""))
     max_len = f.config.get("max_model_len")
     if pool is not None and max_len:
         held = int(max_concurrency(pool.num_gpu_blocks, pool.block_size, int(max_len)))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+from ..results import bound_text, quantile_bound
+
 GiB = 1 << 30
 KiB = 1 << 10
 MISSING = "–"
@@ -17,6 +19,13 @@ def ms(seconds: float | None) -> str:
         return MISSING
     value = seconds * 1000
     return f"{value:,.0f} ms" if value >= 100 else f"{value:.1f} ms"
+
+
+def quantile(summary: dict, key: str) -> str:
+    """A latency quantile of a run's summary: '150 ms', or where a server histogram only bounds it
+    (its first bucket (0, b] or its +Inf bucket) '< 300 ms' / '> 80 s', never an interpolated guess."""
+    bound = quantile_bound(summary, key)
+    return bound_text(*bound) if bound is not None else ms(summary.get(key))
 
 
 def rps(value: float | None) -> str:

@@ -37,7 +37,7 @@ def stages_section(data: ReportData) -> list[Block]:
 def _stage_row(c: Candidate, knobs: list[str], stages: tuple[str, ...]) -> list[str]:
     row = [c.label] + [fmt.param(k, c.params.get(k, fmt.MISSING)) for k in knobs]
     for show_value in (lambda m: fmt.rps(m.goodput_rps), lambda m: fmt.rps(m.throughput_rps),
-                       lambda m: fmt.ms(m.summary.get("ttft_p95")), lambda m: fmt.ms(m.summary.get("tpot_p95"))):
+                       lambda m: fmt.quantile(m.summary, "ttft_p95"), lambda m: fmt.quantile(m.summary, "tpot_p95")):
         row += [_cell(getattr(c, stage), show_value) for stage in stages]
     row += [_feasible(getattr(c, stage)) for stage in stages]
     return row

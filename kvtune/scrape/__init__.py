@@ -7,13 +7,13 @@
   convention, counter increases and rates through resets, windowed histogram
   quantiles with Prometheus' interpolation.
 """
-from .histogram import Histogram, bucket_quantile
+from .histogram import Histogram, Quantile, bounded_quantile, bucket_quantile
 from .log import GaugeStats, ScrapeLog
 from .names import METRICS, Metric, Source
 from .parse import Snapshot, parse_exposition
 from .scraper import ScrapeError, Scraper, fetch, metrics_url
 
 __all__ = [
-    "METRICS", "GaugeStats", "Histogram", "Metric", "ScrapeError", "ScrapeLog", "Scraper", "Snapshot",
-    "Source", "bucket_quantile", "fetch", "metrics_url", "parse_exposition",
+    "METRICS", "GaugeStats", "Histogram", "Metric", "Quantile", "ScrapeError", "ScrapeLog", "Scraper",
+    "Snapshot", "Source", "bounded_quantile", "bucket_quantile", "fetch", "metrics_url", "parse_exposition",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from .histogram import Histogram
+from .histogram import Histogram, Quantile
 from .parse import Snapshot
 
 # RunResult series name -> canonical name
@@ -122,6 +122,12 @@ class ScrapeLog:
         """Prometheus' histogram_quantile over the window's bucket increases; None when it is empty."""
         h = self.histogram_window(name, t0, t1)
         return h.quantile(q) if h is not None else None
+
+    def histogram_quantile_bound(self, name: str, q: float, t0: float | None = None,
+                                 t1: float | None = None) -> Quantile:
+        """The quantile as the buckets can tell it: a value, "< first bound" or "> last bound"."""
+        h = self.histogram_window(name, t0, t1)
+        return h.quantile_bound(q) if h is not None else Quantile()
 
     def histogram_count(self, name: str, t0: float | None = None, t1: float | None = None) -> float | None:
         h = self.histogram_window(name, t0, t1)
