@@ -22,7 +22,7 @@ class Evidence:
 
 @dataclass
 class Diagnosis:
-    id: str  # F1..F8, or INSUFFICIENT_DATA
+    id: str  # F1..F8, START (the server refused the config), or INSUFFICIENT_DATA
     severity: str  # one of SEVERITIES
     symptom: str
     evidence: list[Evidence]

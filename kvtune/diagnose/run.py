@@ -7,7 +7,7 @@ from .decode import bandwidth_bound_decode, memory_bound_throughput
 from .facts import gather
 from .model import SEVERITIES, Diagnosis, Evidence, Thresholds
 from .prefix import low_prefix_hits, session_reprefill
-from .startup import failed_start, oom_during_run
+from .startup import failed_start, log_path_of, oom_during_run, start_cause
 from .sufficiency import data_gaps, insufficient
 
 RULES = {
@@ -39,7 +39,13 @@ def diagnose(result: RunResult, thresholds: Thresholds | None = None, error: str
 
 
 def _failed_without_cause(error: str) -> Diagnosis:
-    first = error.strip().splitlines()[0][:300] if error.strip() else "(no error text)"
-    return insufficient([Evidence("run error", "start-up", first, "a memory error (F5)")],
-                        cause="the run failed, not for lack of memory, and left no series to diagnose",
-                        fix="read the run's error: it is not a KV-cache fault")
+    """A failed run that is neither F5 nor START: it cites the error's root-cause line (not a wrapper
+    such as "the server exited with status 1") and the server's kept log."""
+    cause = start_cause(error)[:300] or "(no error text)"
+    evidence = [Evidence("run error", "start-up log", cause, "a memory error (F5) or a refused config (START)")]
+    path = log_path_of(error)
+    if path:
+        evidence.append(Evidence("full log", "start-up", path, "kept"))
+    return insufficient(evidence, cause="the run failed, not for lack of memory, and left no series to diagnose",
+                        fix="read the cited line" + (f" and the full log ({path})" if path else "")
+                            + ": it is not a KV-cache fault")

@@ -10,7 +10,19 @@ from ..workload import Workload
 
 
 class TargetStartError(RuntimeError):
-    """The server could not start with this config (an OOM, a bad flag): a failed trial."""
+    """The server could not start with this config (an OOM, a bad flag): a failed trial.
+
+    `cause`: the line of the server's log that says why (None when none was found);
+    `log_path`: where the server's whole log is kept (None when there is none).
+    """
+
+    def __init__(self, message: str, cause: str | None = None, log_path: str | None = None):
+        super().__init__(message)
+        self.cause = cause
+        self.log_path = log_path
+
+    def __reduce__(self):  # keeps cause and log_path across processes (pickle)
+        return type(self), (str(self), self.cause, self.log_path)
 
 
 class TargetRunError(RuntimeError):

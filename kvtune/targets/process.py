@@ -1,4 +1,9 @@
-"""A server process a live target starts: free port, health wait, clean stop, kept log."""
+"""A server process a live target starts: free port, health wait, clean stop, kept log.
+
+A failed start raises TargetStartError whose message leads with the line of the
+server's log that says why (startlog.root_cause), then the log's last lines,
+then `full log: PATH`; the log is never deleted.
+"""
 from __future__ import annotations
 
 import os
@@ -11,12 +16,28 @@ import time
 import requests
 
 from .base import TargetRunError, TargetStartError
+from .startlog import log_tail, read_log, root_cause
+
+START_TAIL_LINES = 10  # log lines a start error quotes after its root cause
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_error(what: str, log_path: str) -> TargetStartError:
+    """`what` happened before the server was healthy: an error that leads with the root-cause line of
+    the log at `log_path`, quotes the log's last lines and ends with `full log: PATH` (the log is kept)."""
+    cause = root_cause(read_log(log_path))
+    tail = log_tail(log_path, START_TAIL_LINES).rstrip("\n")
+    lines = [cause] if cause else []
+    lines.append(f"{what}; last log lines:" if tail else f"{what}; the log is empty")
+    if tail:
+        lines.append(tail)
+    lines.append(f"full log: {log_path}")
+    return TargetStartError("\n".join(lines), cause=cause, log_path=log_path)
 
 
 class ManagedServer:
@@ -46,7 +67,8 @@ class ManagedServer:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
                                          start_new_session=True)  # its own group: we stop all it spawns
         except OSError as err:
-            raise TargetStartError(f"cannot run {self.command[0]!r}: {err.strerror or err}") from err
+            message = f"cannot run {self.command[0]!r}: {err.strerror or err}"
+            raise TargetStartError(message, cause=message) from err
         finally:
             log.close()
         self._wait_healthy()
@@ -55,8 +77,9 @@ class ManagedServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise TargetStartError(f"the server exited with status {self.proc.returncode} before it "
-                                       f"was healthy; last log lines:\n{self.log_tail()}")
+                self._kill_leftovers()
+                raise self.start_error(f"the server exited with status {self.proc.returncode} before it "
+                                       "was healthy")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -64,8 +87,18 @@ class ManagedServer:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TargetStartError(f"the server was not healthy at {self.url}/health after "
-                               f"{self.start_timeout_s:.0f} s; last log lines:\n{self.log_tail()}")
+        raise self.start_error(f"the server was not healthy at {self.url}/health after "
+                               f"{self.start_timeout_s:.0f} s")
+
+    def start_error(self, what: str) -> TargetStartError:
+        return start_error(what, self.log_path)
+
+    def _kill_leftovers(self) -> None:
+        """The server's leader exited: end what it spawned (vLLM's EngineCore, its workers) too."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -89,8 +122,4 @@ class ManagedServer:
                 continue
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)

@@ -24,14 +24,15 @@ def runs_frame(rows: list[RunSummaryRow]) -> pd.DataFrame:
 
 
 def latency_frame(summary: dict) -> pd.DataFrame:
-    """Client percentiles next to the server's histogram percentiles (live runs only), in ms."""
+    """Client percentiles next to the server's histogram percentiles (live runs only), as text:
+    a server quantile that only a bucket bounds reads '< 300 ms', never an interpolated value."""
     rows = []
     for key, name in LATENCIES:
         row = {"latency": name}
         for q in QUANTILES:
-            row[f"clients p{q}"] = _ms(summary.get(f"{key}_p{q}"))
+            row[f"clients p{q}"] = fmt.quantile(summary, f"{key}_p{q}")
         for q in QUANTILES:
-            row[f"server p{q}"] = _ms(summary.get(f"server_{key}_p{q}"))
+            row[f"server p{q}"] = fmt.quantile(summary, f"server_{key}_p{q}")
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -115,9 +116,7 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
         st.plotly_chart(figure, key="run_timeline")
 
     st.subheader("Latency: what the clients saw and what the server said")
-    st.dataframe(latency_frame(s), hide_index=True, key="run_latency",
-                 column_config={c: st.column_config.NumberColumn(c + " (ms)", format="%.1f")
-                                for q in QUANTILES for c in (f"clients p{q}", f"server p{q}")})
+    st.dataframe(latency_frame(s), hide_index=True, key="run_latency")
     if "server_ttft_p95" not in s:
         st.caption(f"The {result.target} target has no server histograms to read: the server columns fill "
                    "in for live runs (engine, vLLM, SGLang or a URL), from /metrics.")

@@ -270,7 +270,8 @@ def best_configs(view: data.StudyView) -> None:
             if export:
                 st.code(export, language="bash")
             config = engine_config(view.base_config, candidate.params)
-            for command in launch_commands(config, info.preset, info.device, served):
+            env = (run.config.get("launch_env") if run is not None else None) or {}
+            for command in launch_commands(config, info.preset, info.device, served, env):
                 if command.text is None:
                     st.caption(f"**{command.server}** cannot run this config: {command.note}")
                 else:
