@@ -71,7 +71,7 @@ def build_target(args):
         device_preset(device)  # the sim executor needs a device preset: fail early if unknown
     target = live_target(args.target, args, preset, device)
     label = {"engine": args.model or preset, "vllm": args.model, "sglang": args.model}.get(args.target)
-    return target, label, device
+    return target, label, device or target.options.device
 
 
 def cmd_run(args) -> int:

@@ -299,6 +299,23 @@ def test_f6_max_num_seqs_far_above_what_the_pool_holds():
     assert rerun.summary["preemptions"] == 0 and "F6" not in fired(rerun)
 
 
+def test_f1_on_a_pool_sized_by_cpu_vllms_environment_grows_that_instead_of_utilisation():
+    """CPU vLLM ignores --gpu-memory-utilization while VLLM_CPU_KVCACHE_SPACE is set: a fix that
+    raised utilisation would change nothing, so the fix raises the variable the run was sized by."""
+    rng = np.random.default_rng(0)
+    requests = sorted([TraceRequest(float(t), 600, 50) for t in np.cumsum(rng.exponential(0.04, 200))]
+                      + [TraceRequest(1.0 + k, 3000, 20) for k in range(6)], key=lambda r: r.arrival_s)
+    # a pool of ~8,600 tokens sized by utilisation (no block override)
+    result = sim(EngineConfig(gpu_memory_utilization=0.74, max_model_len=4096, max_num_seqs=64),
+                 Workload(requests, 16), device="l4-24gb")
+    sized = dataclasses.replace(result, config=dict(result.config, launch_env={"VLLM_CPU_KVCACHE_SPACE": "2"},
+                                                    server_block_sizes=[32, 64, 128, 256]))
+    text = " ".join(d.fix for d in fired(sized).values())
+    assert "`VLLM_CPU_KVCACHE_SPACE 2 → 3`" in text and "--gpu-memory-utilization" not in text
+    plain = " ".join(d.fix for d in fired(result).values())
+    assert "--gpu-memory-utilization" in plain  # the same run on a GPU: utilisation is the knob
+
+
 def test_f6_respects_its_thresholds():
     assert "F6" not in fired(preemption_run(), min_preemptions=10_000)
     assert "F6" not in fired(preemption_run(), usage_high=1.01)  # the pool never came near its limit

@@ -21,16 +21,45 @@ def fp8_kv(f: RunFacts, why: str = "") -> FlagChange | None:
     return FlagChange("--kv-cache-dtype", dtype, "fp8", effect)
 
 
+CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+POOL_GROWTH = 1.5  # where a size fixes the pool, the fix asks for half as much again
+
+
 def raise_utilization(f: RunFacts) -> FlagChange | None:
-    """A few points more of the device for the pool, never past the suggested ceiling."""
+    """A few points more of the device for the pool, never past the suggested ceiling; where
+    the pool is sized another way (CPU vLLM's VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes)
+    utilisation does nothing, and the fix grows that knob instead."""
+    if f.config.get("num_gpu_blocks_override"):
+        return None
+    sized = grow_fixed_pool(f)
+    if sized is not None:
+        return sized
     current = f.config.get("gpu_memory_utilization")
     ceiling = f.th.max_suggested_utilization
-    if current is None or current >= ceiling or f.config.get("num_gpu_blocks_override"):
+    if current is None or current >= ceiling:
         return None
     target = round(min(current + UTILIZATION_STEP, ceiling), 2)
     bigger = replan(f.result, gpu_memory_utilization=target)
     effect = f"pool {f.pool.tokens:,} → {bigger.tokens:,} tokens" if bigger and f.pool else ""
     return FlagChange("--gpu-memory-utilization", current, target, effect)
+
+
+def grow_fixed_pool(f: RunFacts) -> FlagChange | None:
+    """The pool's own size knob, half as large again, where the server's pool has one."""
+    space = (f.config.get("launch_env") or {}).get(CPU_KV_SPACE)
+    grown = f"pool {f.pool.tokens:,} → {int(f.pool.tokens * POOL_GROWTH):,} tokens" if f.pool else ""
+    if space is not None:
+        try:
+            gib = float(space)
+        except ValueError:
+            return None
+        return FlagChange(CPU_KV_SPACE, space, f"{gib * POOL_GROWTH:g}",
+                          grown + (", " if grown else "") + "GiB of host memory for the KV pool "
+                          "(gpu_memory_utilization is ignored while it is set)")
+    nbytes = f.config.get("kv_cache_memory_bytes")
+    if nbytes:
+        return FlagChange("--kv-cache-memory-bytes", nbytes, int(nbytes * POOL_GROWTH), grown)
+    return None
 
 
 def more_kv_room(f: RunFacts) -> list[FlagChange]:

@@ -91,9 +91,11 @@ def _distinct_prefix_tokens(f: RunFacts) -> int | None:
 
 def _smaller_blocks(f: RunFacts) -> FlagChange | None:
     size = int(f.config.get("block_size") or 16)
-    if size <= 16:  # vLLM's attention backends want multiples of 16
+    # the sizes the server takes, as its run recorded them; else GPU vLLM's multiples of 16
+    allowed = [b for b in f.config.get("server_block_sizes") or (16, 32, 64, 128, 256) if b < size]
+    if not allowed:
         return None
-    return FlagChange("--block-size", size, size // 2, "finer sharing: partial blocks are never reused")
+    return FlagChange("--block-size", size, max(allowed), "finer sharing: partial blocks are never reused")
 
 
 def session_reprefill(f: RunFacts) -> Diagnosis | None:

@@ -38,6 +38,7 @@ class StudyInfo:
     device: str | None
     knobs: list[str]
     space: dict = field(default_factory=dict)  # knob -> the range searched, as text
+    default_params: dict | None = None  # the live target's own default, as the search ran it
 
 
 @dataclass
@@ -120,7 +121,7 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         slos=[parse_slo_text(s) for s in attrs.get("slos") or []], latency=attrs.get("latency", "ttft_p95"),
         workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
-        space=dict(attrs.get("space") or {}))
+        space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"))
 
 
 def parse_slo_text(text: str) -> SLO:
@@ -164,7 +165,10 @@ def _stage2(row, info: StudyInfo, load) -> Measurement:
 
 
 def _default_params(info: StudyInfo) -> dict | None:
-    """vLLM's default config in the study's knobs (what stage 2 re-runs as 'default')."""
+    """The target's default config in the study's knobs (what stage 2 re-runs as 'default'): as the
+    search stored it (it knows the live target's rules), else GPU vLLM's for an older study."""
+    if info.default_params is not None:
+        return dict(info.default_params)
     try:
         default = EngineConfig().resolve(model_preset(info.preset or ""), device_preset(info.device or ""))
     except ConfigError:

@@ -41,14 +41,19 @@ def engine_config(run_config: dict, params: dict) -> EngineConfig:
 
 
 def launch_commands(config: EngineConfig, preset: str | None, device: str | None,
-                    served_model: str | None = None, env: dict | None = None) -> list[LaunchCommand]:
+                    served_model: str | None = None, measured: dict | None = None) -> list[LaunchCommand]:
     """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model;
-    `env`: the environment the measured server ran with (VLLM_CPU_KVCACHE_SPACE=...), which the
-    vLLM command must carry to reproduce its pool."""
+    `measured`: that run's stored config, whose server environment (VLLM_CPU_KVCACHE_SPACE=...) and
+    extra server arguments the command of its server must carry to reproduce what was measured."""
     model = served_model or _PLACEHOLDER
+    measured = measured or {}
+    env, args = measured.get("launch_env") or {}, measured.get("launch_args") or ""
+    server_of_args = measured.get("launch_server")
+    vllm_args, sglang_args = (args if server_of_args == "vllm" else ""), (args if server_of_args == "sglang" else "")
     out = []
-    for server, target, server_env in (("vLLM", VllmTarget(model=model, vllm_command="vllm"), env or {}),
-                                       ("SGLang", SglangTarget(model=model, python="python"), {})):
+    for server, target, server_env in (
+            ("vLLM", VllmTarget(model=model, vllm_command="vllm", extra_args=vllm_args), env),
+            ("SGLang", SglangTarget(model=model, python="python", extra_args=sglang_args), {})):
         try:
             argv = _strip_local(target.command(config, 0))
         except TargetStartError as err:

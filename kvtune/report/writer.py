@@ -51,8 +51,8 @@ def compose(data: ReportData, db_url: str) -> list[Block]:
     pools = {r.run_id: pool_lines(r, data.info.slos) for r in runs}
     head_diagnoses = diagnoses.get(data.best_run.run_id, []) if data.best_run else []
     config, served_model = _headline_config(data)
-    env = (data.best_run.result.config.get("launch_env") if data.best_run else None) or {}
-    commands = launch_commands(config, data.info.preset, data.info.device, served_model, env) if config else []
+    measured = data.best_run.result.config if data.best_run else None
+    commands = launch_commands(config, data.info.preset, data.info.device, served_model, measured) if config else []
     blocks = summary_section(data, commands, served_model, head_diagnoses)
     blocks += stages_section(data)
     blocks += search_section(data, param_importance(data.study, value_label(data.info)))

@@ -99,11 +99,15 @@ def cmd_search(args) -> int:
         sim = SimTarget(model, device)
     base = EngineConfig(max_model_len=args.max_model_len)
     live = _live_target(args) if args.target != "none" else None
-    default = base.resolve(model, device)
+    sim_base, default = base, base.resolve(model, device)
     if live is not None:
-        # the live target's own rules: what it takes, and what it runs when given no flags
+        # the live target's own rules: what it takes, what it runs when given no flags, its pool
         space, notes = space.for_target(live.rules, _explicit_knobs(space, optional))
-        default = live.rules.default_config(base).resolve(model, device)
+        sim_base = live.rules.sim_config(base)
+        default = live.rules.default_config(sim_base).resolve(model, device)
+        if sim_base is not base:
+            notes.append(f"stage 1 sizes the KV pool as the live server's environment does: "
+                         f"{live.rules.pool_knob}={live.rules.pool_env[live.rules.pool_knob]} GiB")
         for note in notes:
             print(f"note: {note}")
     workload = read_workload(args.workload, format=args.format)
@@ -114,8 +118,9 @@ def cmd_search(args) -> int:
              "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
              "latency": args.latency}
     study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
-    stage1 = Stage1(study, space, base, objective, sim.run, workload, store, args.trials)
+    stage1 = Stage1(study, space, sim_base, objective, sim.run, workload, store, args.trials)
     dflt = default_params(space, default)
+    study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
     if representable(space, dflt):
         stage1.enqueue(dflt)
     print(f"study {name!r} in {store.display_url}: {args.trials} stage-1 trials of {args.preset} on "

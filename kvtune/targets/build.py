@@ -72,6 +72,8 @@ def live_target(kind: str, args, preset: str | None, device: str | None):
                           platform=args.vllm_platform)
         if args.vllm_command:
             vllm.vllm_command = args.vllm_command
+        if device is None and vllm.resolved_platform == "cpu":
+            options.device = "cpu"  # what the runs are labelled with
         return vllm
     if kind == "sglang":
         return SglangTarget(**common, model=args.model or "", python=args.sglang_python,

@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
+from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, GiB, EngineConfig
 
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 VLLM_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -42,6 +42,19 @@ class TargetRules:
         if not self.utilization_sizes_pool and CPU_KV_SPACE_ENV in self.pool_env:
             return CPU_KV_SPACE_ENV
         return "--gpu-memory-utilization" if self.utilization_sizes_pool else "--num-gpu-blocks-override"
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """The KV pool's size where the environment fixes it (VLLM_CPU_KVCACHE_SPACE, in GiB)."""
+        space = self.pool_env.get(CPU_KV_SPACE_ENV)
+        try:
+            return int(float(space) * GiB) if space is not None else None
+        except ValueError:
+            return None
+
+    def sim_config(self, base: EngineConfig) -> EngineConfig:
+        """`base` for the simulator: the pool this server has, where its environment sets it."""
+        return base if self.pool_bytes is None else dataclasses.replace(base, kv_cache_memory_bytes=self.pool_bytes)
 
     def default_config(self, base: EngineConfig) -> EngineConfig:
         """What the server runs when only `base`'s fixed flags (max_model_len, ...) are given."""

@@ -70,6 +70,10 @@ class _ServerTarget(ABC):
             result = run_live(server.url, workload, self.name, self.model_label, config, self.options,
                               check_alive=server.check_alive)
         result.config["launch_env"] = self.rules.launch_env()
+        result.config["launch_args"] = getattr(self, "extra_args", "")
+        result.config["launch_server"] = self.name
+        # what this server takes, for the fixes a diagnosis proposes (it never sees the target)
+        result.config["server_block_sizes"] = list(self.rules.block_sizes)
         return result
 
     @property
@@ -122,8 +126,12 @@ class VllmTarget(_ServerTarget):
     platform: str | None = None  # cpu | cuda; None: from the command's environment
 
     @property
+    def resolved_platform(self) -> str:
+        return self.platform or vllm_platform(self.vllm_command)
+
+    @property
     def rules(self) -> TargetRules:
-        return vllm_rules(self.platform or vllm_platform(self.vllm_command), self.env)
+        return vllm_rules(self.resolved_platform, self.env)
 
     @property
     def module_form(self) -> bool:

@@ -270,8 +270,8 @@ def best_configs(view: data.StudyView) -> None:
             if export:
                 st.code(export, language="bash")
             config = engine_config(view.base_config, candidate.params)
-            env = (run.config.get("launch_env") if run is not None else None) or {}
-            for command in launch_commands(config, info.preset, info.device, served, env):
+            for command in launch_commands(config, info.preset, info.device, served,
+                                           run.config if run is not None else None):
                 if command.text is None:
                     st.caption(f"**{command.server}** cannot run this config: {command.note}")
                 else:
