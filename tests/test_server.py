@@ -96,9 +96,10 @@ def test_models_health_version_load(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "sim-llama", "prompt": [1000] * 3000}, "prompt"),
+    ({"model": "sim-llama", "prompt": [1000] * 3000}, "input_tokens"),
+    ({"model": "sim-llama", "prompt": [1000] * 2048}, "max_tokens"),  # no room for one token
+    ({"model": "sim-llama", "prompt": "x", "max_tokens": 2049}, "max_tokens"),
     ({"model": "sim-llama", "prompt": "x", "n": 0}, "n"),
-    ({"model": "gpt-7", "prompt": "x"}, "model"),
     ({"model": "sim-llama", "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ({"model": "sim-llama", "prompt": 42}, "prompt"),
     ({"model": "sim-llama"}, "prompt"),
@@ -115,6 +116,19 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, param):
     assert err["message"]
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "still here", "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_unknown_model_is_404_and_an_over_long_max_tokens_is_clamped(server):
+    for path, body in (("/v1/completions", {"model": "gpt-7", "prompt": "x"}),
+                       ("/v1/chat/completions", {"model": "gpt-7", "messages": [{"role": "user", "content": "x"}]})):
+        resp = httpx.post(server.url + path, json=body)
+        assert resp.status_code == 404
+        assert resp.json() == {"error": {"message": "The model `gpt-7` does not exist. Valid aliases: sim-llama.",
+                                         "type": "NotFoundError", "param": "model", "code": 404}}
+    # vLLM clamps max_tokens to the room the prompt leaves, it does not refuse it
+    out = httpx.post(server.url + "/v1/completions", timeout=60,
+                     json={"prompt": [1000] * 2040, "max_tokens": 100, "ignore_eos": True}).json()
+    assert out["usage"]["completion_tokens"] == 8 and out["choices"][0]["finish_reason"] == "length"
 
 
 def test_invalid_json_and_bad_chat(server):

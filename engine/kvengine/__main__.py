@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve the engine over HTTP, as `vllm serve` does: /v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics.")
     add_model_flags(p, default_preset="tiny", default_device="cpu")
-    add_engine_flags(p)
+    add_engine_flags(p, platform_block_size=True)
     add_serve_flags(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("presets", help="list model and device presets", description=cmd_presets.__doc__)

@@ -80,6 +80,29 @@ class DeviceSpec:
     # CUDA-graph estimate, typical values from vLLM start-up logs.
     non_torch_overhead_bytes: int = int(1.5 * GiB)
     large_memory: bool = False  # vLLM's >= 70 GiB, non-A100 batch defaults
+    # vLLM's platform whose defaults apply (see platform_defaults). "cpu" only where the
+    # torch executor really runs on the CPU, as vLLM's CPU build does; every preset,
+    # the `cpu` one included, keeps the GPU defaults the sim was calibrated with.
+    platform: str = "cuda"
+
+
+@dataclass(frozen=True)
+class PlatformDefaults:
+    """What vLLM's API server picks when a knob is not given (`vllm/engine/arg_utils.py`)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def platform_defaults(device: DeviceSpec) -> PlatformDefaults:
+    """vLLM's defaults on this device: the CPU build's (block 128, 128 seqs, 2048
+    tokens), or a GPU's (block 16; 1024 seqs / 8192 tokens on large GPUs, else 256 / 2048)."""
+    if device.platform == "cpu":
+        return PlatformDefaults(128, 128, 2048)
+    if device.large_memory:
+        return PlatformDefaults(16, 1024, 8192)
+    return PlatformDefaults(16, 256, 2048)
 
 
 # Model shapes from each model's Hugging Face config.json.
@@ -143,11 +166,13 @@ def device_preset(name: str) -> DeviceSpec:
 class EngineConfig:
     """vLLM's KV-cache and scheduler knobs, same names and defaults as `vllm serve`.
 
-    `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` left as None take
-    vLLM's defaults for the device and model (see `resolve`).
+    `block_size`, `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` left
+    as None take vLLM's defaults for the device and model (see `resolve`); resolved,
+    they are ints. block_size defaults to 16 (vLLM's on GPUs) so an unresolved
+    config has one; `kvengine serve` passes None to get the platform's.
     """
 
-    block_size: int = 16
+    block_size: int | None = 16
     gpu_memory_utilization: float = 0.92
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -157,6 +182,9 @@ class EngineConfig:
     max_model_len: int | None = None
     long_prefill_token_threshold: int = 0
     num_gpu_blocks_override: int | None = None
+    # vLLM's --kv-cache-memory-bytes: the KV pool's size in bytes, whatever the utilisation
+    # (CPU vLLM's VLLM_CPU_KVCACHE_SPACE sets the same thing).
+    kv_cache_memory_bytes: int | None = None
     # Not a vLLM flag: the baseline allocator that PagedAttention replaced.
     kv_allocator: str = "paged"
     seed: int = 0
@@ -164,16 +192,17 @@ class EngineConfig:
 
     def resolve(self, model: ModelSpec, device: DeviceSpec) -> "EngineConfig":
         """Fill in vLLM's defaults for this device and model, then validate."""
-        large = device.large_memory
+        platform = platform_defaults(device)
 
         def default(value, fallback):
             return fallback if value is None else value
 
         cfg = dataclasses.replace(
             self,
+            block_size=default(self.block_size, platform.block_size),
             max_model_len=default(self.max_model_len, model.max_position_embeddings),
-            max_num_seqs=default(self.max_num_seqs, 1024 if large else 256),
-            max_num_batched_tokens=default(self.max_num_batched_tokens, 8192 if large else 2048),
+            max_num_seqs=default(self.max_num_seqs, platform.max_num_seqs),
+            max_num_batched_tokens=default(self.max_num_batched_tokens, platform.max_num_batched_tokens),
         )
         if not cfg.enable_chunked_prefill and self.max_num_batched_tokens is None:
             cfg = dataclasses.replace(
@@ -183,7 +212,7 @@ class EngineConfig:
 
     def validate(self, model: ModelSpec | None = None) -> None:
         bs = self.block_size
-        if not isinstance(bs, int) or bs not in BLOCK_SIZES:
+        if bs is not None and (not isinstance(bs, int) or bs not in BLOCK_SIZES):  # None: not resolved yet
             raise ConfigError(
                 f"--block-size must be a power of two from 8 to 256 "
                 f"({', '.join(map(str, BLOCK_SIZES))}), got {bs!r}")
@@ -220,5 +249,9 @@ class EngineConfig:
             raise ConfigError(
                 f"--max-model-len ({self.max_model_len}) is larger than {model.name}'s "
                 f"max_position_embeddings ({model.max_position_embeddings})")
+        if self.kv_cache_memory_bytes is not None and (
+                not isinstance(self.kv_cache_memory_bytes, int) or self.kv_cache_memory_bytes < 1):
+            raise ConfigError(f"--kv-cache-memory-bytes must be a positive number of bytes, "
+                              f"got {self.kv_cache_memory_bytes!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ConfigError("--num-gpu-blocks-override must be at least 2 (one is the null block)")

@@ -20,14 +20,23 @@ def add_model_flags(p: argparse.ArgumentParser, default_preset: str = "llama-3-8
                    help=f"device preset: {', '.join(DEVICE_PRESETS)} (default: %(default)s)")
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
+def add_engine_flags(p: argparse.ArgumentParser, platform_block_size: bool = False) -> None:
+    """platform_block_size: --block-size left out means the platform's (128 on the CPU, as
+    vLLM's CPU build; 16 on GPUs), for a server that knows where it runs; else 16."""
     g = p.add_argument_group("KV cache and scheduler (vllm serve's flags)")
-    g.add_argument("--block-size", type=int, default=16,
-                   help=f"tokens per KV block: {', '.join(map(str, BLOCK_SIZES))} (default: %(default)s)")
+    sizes = ', '.join(map(str, BLOCK_SIZES))
+    if platform_block_size:
+        g.add_argument("--block-size", type=int, default=None,
+                       help=f"tokens per KV block: {sizes} (default: vLLM's for the device, 128 on the "
+                            "CPU, 16 on GPUs)")
+    else:
+        g.add_argument("--block-size", type=int, default=16,
+                       help=f"tokens per KV block: {sizes} (default: %(default)s)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
                    help="share of device memory the engine may use, in (0, 1] (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most requests running at once (default: vLLM's for the device, 1024 or 256)")
+                   help="most requests running at once (default: vLLM's for the device, 1024 or 256 "
+                        "on GPUs, 128 on the CPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: vLLM's for the device, 8192 or 2048)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -40,6 +49,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="context limit per request (default: the model's)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="cap on one request's prefill tokens per step, 0 = off (default: %(default)s)")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="the KV pool's size (e.g. 4GiB or 4294967296), instead of sizing it from "
+                        "--gpu-memory-utilization")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="use this many KV blocks instead of sizing the pool from memory")
 
@@ -56,18 +68,21 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
 
 
 def launch_flags(config: EngineConfig) -> list[str]:
     """The `vllm serve` / `kvengine serve` arguments that reproduce `config`."""
-    args = ["--block-size", str(config.block_size),
-            "--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}",
-            "--kv-cache-dtype", config.kv_cache_dtype]
+    # block_size None (unresolved): left out, so the server takes its platform's.
+    args = [] if config.block_size is None else ["--block-size", str(config.block_size)]
+    args += ["--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}",
+             "--kv-cache-dtype", config.kv_cache_dtype]
     for flag, value in (("--max-num-seqs", config.max_num_seqs),
                         ("--max-num-batched-tokens", config.max_num_batched_tokens),
                         ("--max-model-len", config.max_model_len),
-                        ("--num-gpu-blocks-override", config.num_gpu_blocks_override)):
+                        ("--num-gpu-blocks-override", config.num_gpu_blocks_override),
+                        ("--kv-cache-memory-bytes", config.kv_cache_memory_bytes)):
         if value is not None:
             args += [flag, str(value)]
     if config.long_prefill_token_threshold:

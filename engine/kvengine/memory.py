@@ -105,6 +105,9 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
     if cfg.num_gpu_blocks_override is not None:
         num_blocks = cfg.num_gpu_blocks_override
         available = num_blocks * block_bytes
+    elif cfg.kv_cache_memory_bytes is not None:  # vLLM: the given bytes, utilisation unused
+        available = cfg.kv_cache_memory_bytes
+        num_blocks = available // block_bytes
     elif weights >= requested:
         raise KVCacheMemoryError(
             f"The model weights ({weights / GiB:.2f} GiB) do not fit in {device.name} x "

@@ -37,11 +37,11 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
+def cache_config_labels(config, num_gpu_blocks: int, user_specified_block_size: bool = True) -> dict[str, str]:
     """vLLM's CacheConfig.metrics_info(): every attribute, stringified."""
     return {
         "block_size": str(config.block_size),
-        "user_specified_block_size": "True",
+        "user_specified_block_size": str(user_specified_block_size),
         "hash_block_size": str(config.block_size),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "cache_dtype": config.kv_cache_dtype,
@@ -53,7 +53,7 @@ def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
         "calculate_kv_scales": "False",
         "num_gpu_blocks": str(num_gpu_blocks),
         "num_cpu_blocks": "None",
-        "kv_cache_memory_bytes": "None",
+        "kv_cache_memory_bytes": str(config.kv_cache_memory_bytes),
         "kv_offloading_size": "None",
         "kv_offloading_backend": "None",
     }
@@ -62,7 +62,8 @@ def cache_config_labels(config, num_gpu_blocks: int) -> dict[str, str]:
 class EngineMetrics:
     """Owns a registry; the frontend records every CoreOutputs the engine core sends."""
 
-    def __init__(self, model_name: str, info: EngineInfo, engine_index: str = "0"):
+    def __init__(self, model_name: str, info: EngineInfo, engine_index: str = "0",
+                 user_specified_block_size: bool = True):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": engine_index}
         names = list(labels)
@@ -143,7 +144,7 @@ class EngineMetrics:
         config_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                             list(cache_config_labels(info.config, 0)) + ["engine"], registry=reg,
                             multiprocess_mode="mostrecent")
-        config_info.labels(**cache_config_labels(info.config, info.num_gpu_blocks),
+        config_info.labels(**cache_config_labels(info.config, info.num_gpu_blocks, user_specified_block_size),
                            engine=engine_index).set(1)
 
         self.free_blocks = gauge("kvengine:num_free_blocks",
@@ -202,7 +203,8 @@ class EngineMetrics:
         for itl in it.inter_token_latencies:
             self.itl.observe(itl)
         self.generation_tokens.inc(it.num_generation_tokens)
-        self.iteration_tokens.observe(it.num_iteration_tokens)
+        if it.num_generation_tokens:  # vLLM observes only steps with outputs (not mid-prefill chunks)
+            self.iteration_tokens.observe(it.num_iteration_tokens)
 
     def _record_finished(self, f: FinishedRequestStats) -> None:
         self.success[f.finish_reason].inc()

@@ -45,7 +45,9 @@ class SchedulerStats:
 class IterationStats:
     num_preempted: int
     num_generation_tokens: int
-    num_iteration_tokens: int  # a first token counts its whole prompt, as vLLM's histogram does
+    # Tokens computed this step, as vLLM's histogram counts them: each sampled token, plus a
+    # first token's prompt less its prefix-cache hit (cached tokens are not computed).
+    num_iteration_tokens: int
     first_tokens: list[tuple[int, int, float]]  # (prompt tokens, cached tokens, ttft)
     inter_token_latencies: list[float]
 
@@ -104,9 +106,9 @@ def iteration_stats(step) -> IterationStats:
         times = req.token_times
         iteration += 1
         if len(times) == 1:
-            iteration += req.num_prompt_tokens
-            first_tokens.append((req.num_prompt_tokens, max(req.num_cached_tokens, 0),
-                                 times[0] - req.arrival_time))
+            cached = max(req.num_cached_tokens, 0)
+            iteration += req.num_prompt_tokens - cached
+            first_tokens.append((req.num_prompt_tokens, cached, times[0] - req.arrival_time))
         else:
             itls.append(times[-1] - times[-2])
     return IterationStats(len(step.preempted), len(step.new_tokens), iteration, first_tokens, itls)

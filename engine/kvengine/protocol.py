@@ -49,6 +49,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    max_tokens_param: str = "max_tokens"  # the field max_tokens came from, for error messages
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         seed = None if self.seed is None else self.seed + choice
@@ -135,7 +136,8 @@ def parse_completion(body) -> GenerationRequest:
     return GenerationRequest(prompts=prompts, **fields)
 
 
-def parse_chat(body) -> tuple[GenerationRequest, list[dict]]:
+def parse_chat(body, render=None) -> tuple[GenerationRequest, list[dict]]:
+    """render(messages) -> prompt text: the checkpoint's chat template; default render_chat."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     messages = body.get("messages")
@@ -145,9 +147,16 @@ def parse_chat(body) -> tuple[GenerationRequest, list[dict]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise bad("messages", f"messages[{i}] must be an object with string 'role' and 'content'")
     fields = _sampling_fields(body)
-    if fields["max_tokens"] is None:
-        fields["max_tokens"] = _typed(body, "max_completion_tokens", (int,), None, "an integer")
-    return GenerationRequest(prompts=[render_chat(messages)], **fields), messages
+    completion_tokens = _typed(body, "max_completion_tokens", (int,), None, "an integer")
+    if completion_tokens is not None:  # vLLM: it wins over the deprecated max_tokens
+        if completion_tokens < 1:
+            raise bad("max_completion_tokens", f"max_completion_tokens must be at least 1, got {completion_tokens}.")
+        fields.update(max_tokens=completion_tokens, max_tokens_param="max_completion_tokens")
+    try:
+        prompt = (render or render_chat)(messages)
+    except ValueError as err:  # the template's raise_exception, or a failing template
+        raise bad("messages", str(err)) from None
+    return GenerationRequest(prompts=[prompt], **fields), messages
 
 
 def render_chat(messages: list[dict]) -> str:

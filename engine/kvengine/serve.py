@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from .clock import WallClock
 from .config import ConfigError, device_preset, model_preset
 from .cost import CostCoefficients
@@ -65,13 +66,25 @@ def build_engine(args):
     return engine, engine.executor.tokenizer, args.model or engine.model.name
 
 
+def chat_template(args) -> ChatTemplate | None:
+    """The --model folder's chat template (the frontend applies it, as vLLM's does)."""
+    if args.executor != "torch" or not args.model:
+        return None
+    try:
+        return load_chat_template(args.model)
+    except ChatTemplateError as err:
+        raise ConfigError(f"--model {args.model}: {err}") from None
+
+
 def build_state(args) -> ServerState:
     """Start the engine core process the flags describe; the frontend's state around it."""
+    template = chat_template(args)  # a broken template fails before the engine is built
     engine_args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "func"})
     engine = EngineClient(build_engine, engine_args)
     name = (args.served_model_name or [args.model or engine.info.model_name])[0]
-    engine.metrics = EngineMetrics(name, engine.info)
-    return ServerState(engine, name, engine.info.model_name, args.api_key)
+    engine.metrics = EngineMetrics(name, engine.info,
+                                   user_specified_block_size=args.block_size is not None)
+    return ServerState(engine, name, engine.info.model_name, args.api_key, template)
 
 
 def serve(args) -> int:

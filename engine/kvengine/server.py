@@ -17,11 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import __version__
+from .chat_template import ChatTemplate
 from .client import EngineClient, Event
+from .limits import check_max_tokens, check_prompt_length, clamp_max_tokens
 from .metrics import CONTENT_TYPE
 from .protocol import (APIError, GenerationRequest, bad, new_id, now_s, parse_chat, parse_completion,
-                       usage)
-from .request import RequestStatus, check_prompt
+                       render_chat, usage)
+from .request import RequestStatus
 
 log = logging.getLogger("kvengine.server")
 
@@ -76,20 +78,19 @@ class Generation:
         """Check every prompt first (a 400 must come before any streaming), then submit."""
         tok = self.server.tokenizer
         max_len = self.server.engine.info.config.max_model_len
+        req = self.req
+        check_max_tokens(req.max_tokens, max_len, req.max_tokens_param)
         encoded = []
-        for i, prompt in enumerate(self.req.prompts):
+        for i, prompt in enumerate(req.prompts):
             ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            try:
-                check_prompt(len(ids), max_len)
-            except ValueError as err:
-                raise bad("prompt", str(err)) from None
+            if not ids:
+                raise bad("prompt", f"prompt {i}: the decoder prompt cannot be empty")
+            check_prompt_length(len(ids), max_len)
             if any(t < 0 or t >= tok.vocab_size for t in ids):
                 raise bad("prompt", f"prompt {i}: token ids must be in [0, {tok.vocab_size})")
-            encoded.append(ids)
+            encoded.append((ids, clamp_max_tokens(len(ids), req.max_tokens, max_len)))
         base = new_id("req")
-        for i, ids in enumerate(encoded):
-            room = max_len - len(ids)
-            max_tokens = room if self.req.max_tokens is None else min(self.req.max_tokens, room)
+        for i, (ids, max_tokens) in enumerate(encoded):
             self.prompt_tokens += len(ids)
             for j in range(self.req.n):
                 index = i * self.req.n + j
@@ -157,6 +158,12 @@ class ServerState:
     served_model_name: str
     model_root: str
     api_key: str | None = None
+    chat_template: ChatTemplate | None = None  # the checkpoint's; None: protocol.render_chat
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            return render_chat(messages)
+        return self.chat_template.render(messages, add_generation_prompt=True)
 
     @property
     def tokenizer(self):
@@ -236,7 +243,7 @@ def create_app(state: ServerState) -> FastAPI:
         gen = _begin(state, parse_completion(await _json(request)))
         if gen.req.stream:
             return _stream(gen, _completion_chunks(state, gen))
-        return await _collect(gen, lambda rid, created: {
+        return await _collect(gen, "cmpl", lambda rid, created: {
             "id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason} for c in gen.choices],
@@ -244,11 +251,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req, _ = parse_chat(await _json(request))
+        req, _ = parse_chat(await _json(request), state.render_chat)
         gen = _begin(state, req)
         if gen.req.stream:
             return _stream(gen, _chat_chunks(state, gen))
-        return await _collect(gen, lambda rid, created: {
+        return await _collect(gen, "chatcmpl", lambda rid, created: {
             "id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -267,20 +274,20 @@ async def _json(request: Request):
 
 def _begin(state: ServerState, req: GenerationRequest) -> Generation:
     if req.model is not None and req.model != state.served_model_name:
-        raise bad("model", f"The model `{req.model}` does not exist. This server serves "
-                           f"`{state.served_model_name}`.")
+        raise APIError(404, f"The model `{req.model}` does not exist. "
+                            f"Valid aliases: {state.served_model_name}.", "model")
     gen = Generation(state, req)
     gen.start()
     return gen
 
 
-async def _collect(gen: Generation, build) -> dict:
+async def _collect(gen: Generation, id_prefix: str, build) -> dict:
     try:
         async for _ in gen.deltas():
             pass
     finally:
         gen.abort_unfinished()  # the client went away before the answer was complete
-    return build(new_id("cmpl"), now_s())
+    return build(new_id(id_prefix), now_s())
 
 
 def _stream(gen: Generation, chunks) -> StreamingResponse:

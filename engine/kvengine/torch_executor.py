@@ -91,14 +91,15 @@ def torch_device_spec(device: str, device_memory: int | None = None) -> DeviceSp
     cuda: the real GPU's total memory (so gpu_memory_utilization applies to it),
     its name, and bandwidth/FLOP/s of the matching preset (H100's if none match).
     cpu: a budget of `device_memory` bytes (default 2 GiB) plays the device's
-    total memory; bandwidth, FLOP/s and overhead of the `cpu` preset.
+    total memory; bandwidth, FLOP/s and overhead of the `cpu` preset, and vLLM's
+    CPU-build defaults (block_size 128, max_num_seqs 128) for knobs left unset.
     """
     device = resolve_device(device)
     if device == "cpu":
         base = DEVICE_PRESETS["cpu"]
         memory = DEFAULT_CPU_MEMORY if device_memory is None else int(device_memory)
         return DeviceSpec("cpu", memory, base.hbm_bandwidth, base.bf16_flops,
-                          non_torch_overhead_bytes=base.non_torch_overhead_bytes)
+                          non_torch_overhead_bytes=base.non_torch_overhead_bytes, platform="cpu")
     props = torch.cuda.get_device_properties(torch.device(device))
     total = full = torch.cuda.mem_get_info(torch.device(device))[1]
     if device_memory is not None:
