@@ -7,6 +7,10 @@
 
 For the KV dtype asked and fp8 side by side, plus what a contiguous worst-case
 reservation at max_model_len would hold in the same pool instead.
+
+`plan_server_pool` does the same for a pool a live server reports (vllm:cache_config_info):
+its blocks are the tokens that fit, its bytes per token the server's own, and the other
+dtype is the same memory at that dtype's element size.
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.memory import kv_bytes_per_token, plan_memory
+from kvengine.config import DTYPE_BYTES, DeviceSpec, EngineConfig, ModelSpec
+from kvengine.memory import kv_bytes_per_token, max_concurrency, plan_memory
 
 from .workload import Workload
 
@@ -46,10 +50,31 @@ def custom_model(layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat
                         intermediate, vocab_size, max_len, dtype=dtype, weights_bytes=weights_bytes)
 
 
+@dataclass(frozen=True)
+class ServerPool:
+    """A live server's KV pool as it reports it (vllm:cache_config_info, kept in the run's config)."""
+
+    num_gpu_blocks: int  # vLLM's count, the null block included
+    block_size: int
+    kv_cache_dtype: str  # as the server ran it: auto, fp8..., or the served dtype's name
+    pool_bytes: int | None = None  # kv_cache_memory_bytes, where the server reports it
+    set_by: str = ""  # what sized it, for the reader: "VLLM_CPU_KVCACHE_SPACE=1"
+
+    @property
+    def tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens"."""
+        return self.num_gpu_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        """The server's own K/V bytes per token (its pool's bytes over its tokens), when it reports the bytes."""
+        return self.pool_bytes // self.tokens if self.pool_bytes and self.tokens else None
+
+
 @dataclass
 class DtypeCapacity:
     kv_cache_dtype: str
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int | None  # None: a live pool of unknown bytes and model shape
     pool_bytes: int
     num_gpu_blocks: int
     pool_tokens: int
@@ -72,10 +97,19 @@ class CapacityPlan:
     contexts: list[int]
     workload_contexts: dict[str, int] = field(default_factory=dict)  # "p50" -> tokens
     by_dtype: list[DtypeCapacity] = field(default_factory=list)  # the asked dtype first, then fp8
+    server_pool: ServerPool | None = None  # set: the plan describes this live pool, not the planner's
+    auto_element_bytes: int | None = None  # live plans: bytes per K/V element under `auto`
+    auto_dtype_source: str = ""  # live plans: how that was found ("the server's bytes per token", ...)
 
     @property
     def primary(self) -> DtypeCapacity:
         return self.by_dtype[0]
+
+    @property
+    def pool_fixed(self) -> bool:
+        """The planner's pool is --kv-cache-memory-bytes (or the server's environment), not utilisation."""
+        return (self.server_pool is None and self.config.kv_cache_memory_bytes is not None
+                and self.config.num_gpu_blocks_override is None)
 
 
 def plan_capacity(model: ModelSpec, device: DeviceSpec, config: EngineConfig, contexts: list[int],
@@ -110,6 +144,77 @@ def _capacity(model: ModelSpec, dtype: str, memory, contexts: list[int], max_mod
         pool_bytes=memory.kv_cache_bytes, num_gpu_blocks=memory.num_gpu_blocks, pool_tokens=memory.num_tokens,
         max_concurrency={str(c): memory.max_concurrency(c) for c in contexts},
         contiguous_requests=max(memory.num_usable_blocks, 0) // blocks_per_max_len)
+
+
+def is_one_byte(kv_cache_dtype: str) -> bool:
+    """fp8 (any variant) and int8 store one byte per K/V element."""
+    return kv_cache_dtype.startswith(FP8) or kv_cache_dtype == "int8"
+
+
+def kv_elements_per_token(model: ModelSpec) -> int:
+    """2 (K and V) × layers × kv_heads × head_dim."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim
+
+
+def element_bytes_from(bytes_per_token: int | None, model: ModelSpec | None) -> int | None:
+    """The bytes per K/V element a server's bytes per token mean for the model's shape: 1, 2 or 4,
+    else None (no bytes, no shape, or a shape that is not the served model's)."""
+    if not bytes_per_token or model is None:
+        return None
+    elements = kv_elements_per_token(model)
+    size, rest = divmod(bytes_per_token, elements)
+    return size if size in (1, 2, 4) and rest * 100 < elements else None
+
+
+def plan_server_pool(pool: ServerPool, model: ModelSpec | None, contexts: list[int],
+                     max_model_len: int | None, config: EngineConfig, device: str = "",
+                     auto_element_bytes: int | None = None, auto_source: str = "") -> CapacityPlan:
+    """The plan of a pool a live server reports: `auto` and fp8 side by side in its memory.
+
+    The run's dtype column is the server's own (its blocks, its bytes per token); the other
+    column is the same memory at the other dtype's bytes per element: fp8 one, `auto` the
+    served dtype's, which the server's bytes per token give for `auto` runs, else
+    `auto_element_bytes` (another live run's, say), else the model preset's."""
+    served = pool.kv_cache_dtype
+    run_is_auto = not is_one_byte(served)
+    model_bytes = model.dtype_bytes if model is not None else 2  # served models store K/V in 16 bits
+    auto_bytes, source = None, auto_source
+    if served in DTYPE_BYTES:  # `auto` reported as the served dtype itself
+        auto_bytes, source = DTYPE_BYTES[served], "the server's reported dtype"
+    elif run_is_auto:
+        auto_bytes = element_bytes_from(pool.bytes_per_token, model)
+        source = "the server's bytes per token" if auto_bytes else ""
+    if auto_bytes is None:
+        auto_bytes, source = auto_element_bytes, (auto_source if auto_element_bytes else "")
+    if auto_bytes is None:
+        auto_bytes = model_bytes
+        source = (f"assumed: the preset's {model.dtype}" if model is not None else "assumed: 16-bit")
+    run_bytes = auto_bytes if run_is_auto else 1
+    run_bpt = pool.bytes_per_token or (kv_elements_per_token(model) * run_bytes if model is not None else None)
+    pool_bytes = pool.pool_bytes or (run_bpt * pool.tokens if run_bpt else None)
+    columns = [("auto", auto_bytes), (FP8 if run_is_auto else served, 1)]
+    contexts = sorted(set(contexts))
+    by_dtype = []
+    for dtype, element_bytes in columns:
+        blocks = pool.num_gpu_blocks * run_bytes // element_bytes
+        bpt = None if run_bpt is None else (run_bpt if element_bytes == run_bytes
+                                            else run_bpt * element_bytes // run_bytes)
+        by_dtype.append(DtypeCapacity(
+            kv_cache_dtype=dtype, kv_bytes_per_token=bpt, pool_bytes=pool_bytes, num_gpu_blocks=blocks,
+            pool_tokens=blocks * pool.block_size,
+            max_concurrency={str(c): max_concurrency(blocks, pool.block_size, c) for c in contexts},
+            contiguous_requests=(max(blocks - 1, 0) // math.ceil(max_model_len / pool.block_size)
+                                 if max_model_len else 0)))
+    dtype_label = {4: "float32", 2: "16-bit", 1: "8-bit"}.get(auto_bytes, f"{auto_bytes} bytes")
+    if model is not None and model.dtype_bytes == auto_bytes:
+        dtype_label = model.dtype
+    return CapacityPlan(
+        model=model.name if model is not None else "", model_dtype=dtype_label, device=device, total_bytes=0,
+        requested_bytes=0, weights_bytes=0, activation_bytes=0, overhead_bytes=0, reserve_given=False,
+        config=dataclasses.replace(config, block_size=pool.block_size, max_model_len=max_model_len,
+                                   kv_cache_dtype=served if not run_is_auto else "auto"),
+        contexts=contexts, by_dtype=by_dtype, server_pool=pool, auto_element_bytes=auto_bytes,
+        auto_dtype_source=source)
 
 
 def workload_contexts(workload: Workload) -> dict[str, int]:

@@ -3,10 +3,17 @@ import argparse
 import json
 
 import pytest
-
-from kvengine.config import GiB, EngineConfig, device_preset, model_preset
+from kvengine.config import EngineConfig, GiB, device_preset, model_preset
 from kvengine.memory import plan_memory
-from kvtune.plan import custom_model, plan_capacity, workload_contexts
+
+from kvtune.plan import (
+    ServerPool,
+    custom_model,
+    element_bytes_from,
+    plan_capacity,
+    plan_server_pool,
+    workload_contexts,
+)
 from kvtune.plan_cli import add_plan_command
 from kvtune.workload import TraceRequest, Workload, write_workload
 
@@ -137,3 +144,48 @@ def test_cli_a_model_that_does_not_fit_exits_1(capsys):
 def test_cli_bad_input_exits_2(argv, capsys):
     assert kvtune_plan(*argv) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+# ---------------------------------------------------------------- a live server's pool
+
+def cpu_pool(dtype: str, blocks: int) -> ServerPool:
+    return ServerPool(blocks, 128, dtype, pool_bytes=GiB, set_by="set by VLLM_CPU_KVCACHE_SPACE=1")
+
+
+def test_a_live_pool_is_the_servers_tokens_and_bytes():
+    """CPU vLLM serving a bf16 `tiny`-shaped checkpoint in 1 GiB: the preset says float32, the server 2 bytes."""
+    model = model_preset("tiny")  # float32: 2 KiB per token by the preset, 1 KiB on the server
+    plan = plan_server_pool(cpu_pool("auto", 8192), model, [460, 555], 1024, EngineConfig(block_size=256))
+    auto, fp8 = plan.by_dtype
+    assert (auto.kv_cache_dtype, fp8.kv_cache_dtype) == ("auto", "fp8")
+    assert auto.pool_tokens == 8192 * 128 == 1_048_576 and auto.kv_bytes_per_token == 1 * KiB
+    assert fp8.pool_tokens == 2_097_152 and fp8.kv_bytes_per_token == 512
+    assert auto.pool_bytes == fp8.pool_bytes == GiB
+    assert plan.auto_element_bytes == 2 and plan.model_dtype == "16-bit"
+    assert plan.config.block_size == 128 and plan.config.max_model_len == 1024
+    assert auto.max_concurrency == {"460": 8192 / 4, "555": 8192 / 5}  # blocks / ceil(context / block_size)
+    assert fp8.max_concurrency["555"] == 2 * 8192 / 5
+    assert auto.contiguous_requests == (8192 - 1) // 8
+    assert plan.server_pool.tokens == 1_048_576 and not plan.pool_fixed
+
+
+def test_a_live_fp8_pool_scales_auto_by_the_element_size():
+    model = model_preset("tiny")
+    hinted = plan_server_pool(cpu_pool("fp8", 16384), model, [1024], 1024, EngineConfig(), "cpu", 2, "run 8")
+    auto, fp8 = hinted.by_dtype
+    assert fp8.pool_tokens == 16384 * 128 and fp8.kv_bytes_per_token == 512
+    assert auto.pool_tokens == 8192 * 128 and auto.kv_bytes_per_token == 1 * KiB
+    assert hinted.auto_dtype_source == "run 8" and hinted.config.kv_cache_dtype == "fp8"
+    unhinted = plan_server_pool(cpu_pool("fp8_e5m2", 16384), model, [1024], 1024, EngineConfig())
+    assert [c.kv_cache_dtype for c in unhinted.by_dtype] == ["auto", "fp8_e5m2"]
+    assert unhinted.auto_element_bytes == 4 and unhinted.primary.pool_tokens == 4096 * 128  # the preset's float32
+
+
+def test_a_live_pool_without_bytes_uses_the_presets_bytes_per_token():
+    model = model_preset("llama-3-8b")
+    plan = plan_server_pool(ServerPool(3000, 16, "auto"), model, [4096], 8192, EngineConfig())
+    assert plan.primary.pool_tokens == 48_000 and plan.primary.kv_bytes_per_token == 128 * KiB
+    assert plan.primary.pool_bytes == 48_000 * 128 * KiB and plan.by_dtype[1].pool_tokens == 96_000
+    assert plan.model_dtype == "bfloat16"
+    assert element_bytes_from(128 * KiB, model) == 2 and element_bytes_from(3 * 64 * KiB, model) is None
+    assert element_bytes_from(None, model) is None and element_bytes_from(1024, None) is None

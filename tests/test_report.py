@@ -1,5 +1,6 @@
 """`kvtune report`: real studies (Stage1 on the sim target, stage 2 re-runs) turned into Markdown + HTML."""
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -12,7 +13,12 @@ import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvengine.flags import add_engine_flags, add_model_flags, config_from_args
 
+from kvtune.plan import plan_capacity
 from kvtune.report import ReportError, add_report_command, write_report
+from kvtune.report.capacity import capacity_for
+from kvtune.report.data import RunView, load_report_data
+from kvtune.report.launch import engine_config
+from kvtune.results import RunResult
 from kvtune.search import (
     Objective,
     Stage1,
@@ -40,19 +46,20 @@ def workload():
 
 
 def build_study(tmp_path, name, slos=("ttft_p95=500ms",), trials=8, objective="goodput", space=SPACE,
-                stage2=True, top_k=2):
-    """What `kvtune search` does, through the same functions, with the sim target playing the live one too."""
+                stage2=True, top_k=2, preset=PRESET, device=DEVICE, base=BASE, live=None):
+    """What `kvtune search` does, through the same functions, with the sim target playing the live one too
+    (`live`, when given, turns each stage-2 result into what a live server would have stored)."""
     db = f"sqlite:///{tmp_path}/{name}.db"
     parsed = tuple(parse_slo(s) for s in slos)
     obj = Objective(objective, parsed)
     sp = load_space(None, list(space))
     store = Store(db)
-    attrs = {"workload": str(tmp_path / "absent.jsonl"), "preset": PRESET, "device": DEVICE,
+    attrs = {"workload": str(tmp_path / "absent.jsonl"), "preset": preset, "device": device,
              "slos": [str(s) for s in parsed], "space": {k.name: "" for k in sp.knobs}, "latency": "ttft_p95"}
     study = open_study(open_storage(db), name, obj, "tpe", 0, attrs)
-    target = SimTarget(model_preset(PRESET), device_preset(DEVICE))
-    stage1 = Stage1(study, sp, BASE, obj, target.run, workload(), store, trials)
-    dflt = default_params(sp, BASE.resolve(model_preset(PRESET), device_preset(DEVICE)))
+    target = SimTarget(model_preset(preset), device_preset(device))
+    stage1 = Stage1(study, sp, base, obj, target.run, workload(), store, trials)
+    dflt = default_params(sp, base.resolve(model_preset(preset), device_preset(device)))
     if representable(sp, dflt):
         stage1.enqueue(dflt)
     stage1.optimize()
@@ -60,7 +67,8 @@ def build_study(tmp_path, name, slos=("ttft_p95=500ms",), trials=8, objective="g
         ranked = ranked_trials(study, obj)
         candidates = [Candidate(f"trial {t.number}", t.number, dict(t.params)) for t in ranked[:top_k]]
         candidates.append(Candidate("default", -1, dflt))
-        run_stage2(target.run, candidates, sp, BASE, workload(), obj, store, name)
+        run = target.run if live is None else (lambda config, w: live(config, target.run(config, w)))
+        run_stage2(run, candidates, sp, base, workload(), obj, store, name)
     store.close()
     return db, study
 
@@ -254,3 +262,113 @@ def test_kvtune_search_ends_with_the_report(tmp_path):
         assert int(flag(vllm, "--max-num-seqs")) == best["max_num_seqs"]
         assert int(flag(vllm, "--block-size")) == best["block_size"]
         assert flag(vllm, "--kv-cache-dtype") == best["kv_cache_dtype"]
+
+
+# ---------------------------------------------------------------- the capacity plan of a live pool
+
+CPU_POOL = 1 << 30  # VLLM_CPU_KVCACHE_SPACE=1
+TINY_ELEMENTS = 2 * 4 * 2 * 32  # `tiny`: 2 × layers × kv_heads × head_dim per token
+
+
+def cpu_vllm_serving_bf16(config, result):
+    """What CPU vLLM stores for a bf16 checkpoint with VLLM_CPU_KVCACHE_SPACE=1: its own block size (128),
+    its pool of 1 GiB and cache_config_info's figures, whatever the sim (float32 `tiny`) planned."""
+    element = 1 if config.kv_cache_dtype.startswith("fp8") else 2
+    blocks = CPU_POOL // (TINY_ELEMENTS * element * 128)
+    result.target, result.model = "vllm", "/models/tinyllama-bf16"
+    result.config |= {"block_size": 128, "num_gpu_blocks": blocks, "kv_cache_size_tokens": blocks * 128,
+                      "kv_cache_memory_bytes": CPU_POOL, "launch_env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
+    return result
+
+
+@pytest.fixture(scope="module")
+def live_pool(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("live_pool")
+    db, _ = build_study(tmp, "cpu", slos=("ttft_p95=5000ms",), trials=4, preset="tiny", device="cpu",
+                        space=["block_size=16,32", "kv_cache_dtype=auto,fp8", "max_num_seqs=4:64:log"],
+                        live=cpu_vllm_serving_bf16)
+    md, _ = write_report(db, "cpu", str(tmp / "out"))
+    return db, md.read_text()
+
+
+def table_row(text: str, label: str) -> list[str]:
+    line = next(line for line in text.splitlines() if re.match(rf"\| {re.escape(label)}( \(p\d+\))? \|", line))
+    return [cell.strip() for cell in line.strip("|").split("|")][1:]
+
+
+def test_capacity_plan_of_a_live_run_is_the_servers_pool(live_pool):
+    db, text = live_pool
+    best = load_report_data(db, "cpu").best_run
+    assert best is not None and best.stage == "live"
+    cfg = best.result.config
+    capacity = section(text, "## 6. Capacity plan")
+    auto, fp8 = table_row(capacity, "tokens that fit")
+    own = fp8 if cfg["kv_cache_dtype"] == "fp8" else auto
+    assert own == f"{cfg['num_gpu_blocks'] * cfg['block_size']:,}"  # the server's tokens, not the planner's
+    assert (auto, fp8) == ("1,048,576", "2,097,152")  # bf16 served, though the preset says float32
+    assert table_row(capacity, "KV bytes per token") == ["1 KiB", "0.5 KiB"]
+    assert table_row(capacity, "KV pool") == ["1.00 GiB", "1.00 GiB"]
+    assert "auto (16-bit)" in capacity
+    blocks = cfg["num_gpu_blocks"]
+    assert f"{blocks:,} blocks of 128 tokens, 1.00 GiB (set by VLLM_CPU_KVCACHE_SPACE=1)" in capacity
+    assert "vllm:cache_config_info" in capacity
+    # vLLM's concurrency: blocks / ceil(context / block_size), for each context shown
+    auto_blocks = CPU_POOL // (TINY_ELEMENTS * 2 * 128)
+    contexts = re.findall(r"^\| requests at once, ([\d,]+) tokens", capacity, re.MULTILINE)
+    assert contexts
+    for context in contexts:
+        n = int(context.replace(",", ""))
+        assert table_row(capacity, f"requests at once, {context} tokens") == [
+            f"{auto_blocks / -(-n // 128):,.1f}", f"{2 * auto_blocks / -(-n // 128):,.1f}"]
+    # none of the planner's device-memory arithmetic, and no second pool size
+    assert "device memory" not in capacity and "× 0.92" not in capacity and "minus weights" not in capacity
+    assert "gpu_memory_utilization" not in capacity
+    assert set(re.findall(r"\d+\.\d\d GiB", capacity)) == {"1.00 GiB"}
+
+
+def test_capacity_plan_of_a_sim_only_study_is_the_planners(hopeless):
+    db, _, md, _ = hopeless
+    capacity = section(md.read_text(), "## 6. Capacity plan")
+    head = load_report_data(db, "hopeless")
+    config = engine_config(head.best_run.result.config, head.headline.params)
+    model, device = model_preset(PRESET), device_preset(DEVICE)
+    plan = plan_capacity(model, device, dataclasses.replace(config, kv_cache_dtype="auto"),
+                         [config.resolve(model, device).max_model_len])
+    assert f"device memory 80.00 GiB × {config.gpu_memory_utilization:.2f}" in capacity
+    assert "minus weights" in capacity and "live server" not in capacity
+    assert table_row(capacity, "tokens that fit") == [f"{c.pool_tokens:,}" for c in plan.by_dtype]
+
+
+def test_capacity_plan_with_a_fixed_pool_says_so_instead_of_utilisation(tmp_path):
+    db, _ = build_study(tmp_path, "fixed", trials=3, stage2=False,
+                        base=EngineConfig(max_model_len=4096, kv_cache_memory_bytes=8 << 30))
+    md, _ = write_report(db, "fixed", str(tmp_path / "out"))
+    capacity = section(md.read_text(), "## 6. Capacity plan")
+    assert "KV pool fixed at 8.00 GiB (--kv-cache-memory-bytes / the server's environment)" in capacity
+    assert "device memory" not in capacity and "minus weights" not in capacity
+    assert table_row(capacity, "KV pool") == ["8.00 GiB", "8.00 GiB"]
+    assert table_row(capacity, "tokens that fit") == [f"{(8 << 30) // (128 << 10) // 16 * 16:,}",
+                                                      f"{(8 << 30) // (64 << 10) // 16 * 16:,}"]
+
+
+def test_capacity_plan_of_an_fp8_live_run_takes_autos_bytes_from_the_studys_auto_run(tmp_path):
+    """An fp8 pool says nothing of `auto`'s element size: another live run of the same server, under `auto`, does."""
+    db = f"sqlite:///{tmp_path}/runs.db"
+
+    def live_result(dtype: str) -> RunResult:
+        return cpu_vllm_serving_bf16(EngineConfig(kv_cache_dtype=dtype), RunResult(
+            "sim", "tiny", "cpu", {"kv_cache_dtype": dtype, "max_model_len": 1024}, {}, [], {}, 1.0))
+
+    with Store(db) as store:
+        fp8_id, auto_id = store.save_run(live_result("fp8")), store.save_run(live_result("auto"))
+        fp8_run = RunView("recommended", "live", fp8_id, store.load_run(fp8_id))
+    alone = capacity_for(EngineConfig(block_size=256, kv_cache_dtype="fp8"), "tiny", "cpu", None, None,
+                         run=fp8_run).plan
+    helped = capacity_for(EngineConfig(block_size=256, kv_cache_dtype="fp8"), "tiny", "cpu", None, None,
+                          run=fp8_run, db_url=db, live_run_ids=[fp8_id, auto_id]).plan
+    for plan in (alone, helped):
+        assert plan.server_pool is not None and plan.by_dtype[1].pool_tokens == 8192 * 128 * 2  # the server's own
+        assert plan.config.block_size == 128 and plan.contexts == [1024]
+    assert alone.auto_element_bytes == 4 and "assumed" in alone.auto_dtype_source  # the preset's float32
+    assert helped.auto_element_bytes == 2 and helped.primary.pool_tokens == 8192 * 128
+    assert f"live run {auto_id}" in helped.auto_dtype_source

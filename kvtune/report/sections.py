@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..diagnose import Diagnosis
 from ..diagnose.report import show
+from ..plan import CapacityPlan, is_one_byte
 from . import fmt, plots
 from .capacity import Capacity
 from .data import ReportData, RunView
@@ -132,13 +133,21 @@ def capacity_section(capacity: Capacity) -> list[Block]:
     if plan is None:
         return blocks + [Paragraph(capacity.note)]
     cfg = plan.config
-    blocks.append(Paragraph(
-        f"What fits in the KV cache of `{plan.model}` on `{plan.device}` at `gpu_memory_utilization` "
-        f"{cfg.gpu_memory_utilization:.2f} and `block_size` {cfg.block_size}: device memory {fmt.gib(plan.total_bytes)}"
-        f" × {cfg.gpu_memory_utilization:.2f} = {fmt.gib(plan.requested_bytes)}, minus weights "
-        f"{fmt.gib(plan.weights_bytes)}, activation peak {fmt.gib(plan.activation_bytes)} and overhead "
-        f"{fmt.gib(plan.overhead_bytes)}. Context lengths (prompt + output tokens per request) from "
-        f"{capacity.source}."))
+    contexts_from = f"Context lengths (prompt + output tokens per request) from {capacity.source}."
+    if plan.server_pool is not None:
+        blocks.append(Paragraph(f"{_live_pool_text(plan)} {contexts_from}"))
+    elif plan.pool_fixed:
+        blocks.append(Paragraph(
+            f"What fits in the KV cache of `{plan.model}` on `{plan.device}` at `block_size` {cfg.block_size}: "
+            f"KV pool fixed at {fmt.gib(cfg.kv_cache_memory_bytes)} (--kv-cache-memory-bytes / the server's "
+            f"environment); `gpu_memory_utilization` does not size it. {contexts_from}"))
+    else:
+        blocks.append(Paragraph(
+            f"What fits in the KV cache of `{plan.model}` on `{plan.device}` at `gpu_memory_utilization` "
+            f"{cfg.gpu_memory_utilization:.2f} and `block_size` {cfg.block_size}: device memory "
+            f"{fmt.gib(plan.total_bytes)} × {cfg.gpu_memory_utilization:.2f} = {fmt.gib(plan.requested_bytes)}, "
+            f"minus weights {fmt.gib(plan.weights_bytes)}, activation peak {fmt.gib(plan.activation_bytes)} and "
+            f"overhead {fmt.gib(plan.overhead_bytes)}. {contexts_from}"))
     names = {v: k for k, v in plan.workload_contexts.items()}
     header = ["", *(f"auto ({plan.model_dtype})" if c.kv_cache_dtype == "auto" else c.kv_cache_dtype
                     for c in plan.by_dtype)]
@@ -148,13 +157,42 @@ def capacity_section(capacity: Capacity) -> list[Block]:
     for context in plan.contexts:
         label = f"requests at once, {context:,} tokens" + (f" ({names[context]})" if context in names else "")
         rows.append([label, *(f"{c.max_concurrency[str(context)]:,.1f}" for c in plan.by_dtype)])
-    rows.append([f"requests at once if each reserved max_model_len ({cfg.max_model_len:,}) up front",
-                 *(fmt.count(c.contiguous_requests) for c in plan.by_dtype)])
+    if cfg.max_model_len:
+        rows.append([f"requests at once if each reserved max_model_len ({cfg.max_model_len:,}) up front",
+                     *(fmt.count(c.contiguous_requests) for c in plan.by_dtype)])
     blocks.append(Table(header, rows, numeric=[False] + [True] * len(plan.by_dtype)))
     blocks.append(Paragraph("Paged KV blocks (vLLM, SGLang, kvengine) hold as many requests as their real length "
                             "allows; the last row is what a server reserving the worst case per request would "
                             "hold in the same memory. Plan for the p99 context, not the mean."))
     return blocks
+
+
+def _live_pool_text(plan: CapacityPlan) -> str:
+    """Where a live plan's pool comes from, and what each dtype column assumes."""
+    pool = plan.server_pool
+    where = f"`{plan.model}` on `{plan.device}`" if plan.model else f"`{plan.device}`"
+    size = f", {fmt.gib(pool.pool_bytes)}" if pool.pool_bytes else ""
+    set_by = f" ({pool.set_by})" if pool.set_by else ""
+    text = (f"What fits in the KV cache of {where}: the live server's pool, as vllm:cache_config_info reports it: "
+            f"{pool.num_gpu_blocks:,} blocks of {pool.block_size} tokens{size}{set_by}, "
+            f"{pool.tokens:,} tokens in `{pool.kv_cache_dtype}`.")
+    if not pool.pool_bytes:
+        text += (" The server does not report the pool's bytes: the KV pool row is those tokens at the "
+                 "preset's bytes per token." if plan.primary.pool_bytes else
+                 " The server does not report the pool's bytes, and the model's shape is unknown.")
+    n = plan.auto_element_bytes
+    per = f"{n} byte{'s' if n != 1 else ''} per K/V element"
+    run = plan.by_dtype[1] if is_one_byte(pool.kv_cache_dtype) else plan.by_dtype[0]
+    if run.kv_cache_dtype == "auto":
+        how = plan.auto_dtype_source
+        if how == "the server's bytes per token":
+            how = f"the server's {fmt.kib(run.kv_bytes_per_token)} per token for the preset's shape"
+        text += (f" Under `auto` it stores {per} ({how}); the fp8 column is the same memory at 1 byte per "
+                 "element.")
+    else:
+        text += (f" It ran `{run.kv_cache_dtype}` (1 byte per K/V element); the `auto` column is the same memory "
+                 f"at {per} ({plan.auto_dtype_source}).")
+    return text
 
 
 # ---------------------------------------------------------------- 7. quality and every trial

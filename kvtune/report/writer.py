@@ -60,7 +60,8 @@ def compose(data: ReportData, db_url: str) -> list[Block]:
     blocks += diagnoses_section(runs, diagnoses)
     profile = data.best_run.result.workload if data.best_run else None
     blocks += capacity_section(capacity_for(config or EngineConfig(), data.info.preset, data.info.device,
-                                            data.info.workload, profile))
+                                            data.info.workload, profile, run=data.best_run, db_url=db_url,
+                                            live_run_ids=[m.run_id for m in data.live]))
     dtypes = {t.params.get("kv_cache_dtype") for t in data.trials + data.live}
     blocks += quality_section(dtypes, config.kv_cache_dtype if config and data.verdict.recommended else None)
     blocks += trials_section(data)
