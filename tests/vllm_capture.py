@@ -14,11 +14,7 @@ lists, /metrics scraped every 0.5 s), and writes into tests/data/:
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,17 +25,12 @@ sys.path.insert(0, str(ROOT))
 
 from kvtune.scrape import fetch
 from kvtune.targets import LiveOptions, UrlTarget
+from kvtune.targets.process import ManagedServer, free_port
 from kvtune.workload import TraceRequest, Workload
 from kvtune.workload.tokens import unique_tokens
 
 DATA = ROOT / "tests" / "data"
 REQUESTS, PROMPT, SHARED, OUTPUT = 24, 512, 256, 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload() -> Workload:
@@ -58,27 +49,14 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)  # 64 blocks hold 2016 tokens: 2048 is refused
     args = ap.parse_args()
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
     cmd = [args.vllm, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
            "--block-size", "32", "--num-gpu-blocks-override", str(args.blocks)]
-    log = tempfile.NamedTemporaryFile("w", prefix="vllm-capture-", suffix=".log", delete=False)  # noqa: SIM115
-    print(f"vLLM's log: {log.name}", flush=True)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"vLLM exited with {server.returncode}; see {log.name}")
-            try:
-                if requests.get(url + "/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("vLLM did not come up")
-            time.sleep(2)
+    server = ManagedServer(cmd, port, 400, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                                               "VLLM_CPU_KVCACHE_SPACE": "1"})
+    print(f"vLLM's log: {server.log_path}", flush=True)
+    with server:
+        url = server.url
         # one small request so the server has served something, as the reference scrape had
         model = requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         requests.post(url + "/v1/completions", json={"model": model, "prompt": [1000, 1001, 1002, 1003],
@@ -95,13 +73,6 @@ def main() -> int:
         s = result.summary
         print(f"completed {s['completed']}/{s['requests']}, preemptions {s.get('server_preemptions')}, "
               f"duration {result.duration_s:.1f} s, wall {result.wall_s:.1f} s")
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
     return 0
 
 
