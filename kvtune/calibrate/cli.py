@@ -16,16 +16,18 @@ from kvengine.cost import TIED_TO, CostCoefficients, torch_attention_kernel
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
 from ..store import Store, add_db_argument, resolve_db_url
-from ..targets import (
-    EngineTarget,
-    LiveOptions,
-    SglangTarget,
-    TargetStartError,
-    VllmTarget,
-)
-from ..targets.process import ManagedServer, free_port
+from ..targets import TargetStartError
+from ..targets.build import add_server_flags, live_target
 from ..workload.cli import name_or_url, positive_float, positive_int
-from .fit import BOUNDS, fit_coefficients, step_shapes
+from .fit import (
+    RMS_LIMIT,
+    FitRefusedError,
+    bound_side,
+    degenerate_reasons,
+    fit_coefficients,
+    step_shapes,
+    unseen,
+)
 from .probes import (
     CalibrationError,
     ProbeOptions,
@@ -63,8 +65,6 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for the engine's torch "
                                                       "executor, else h100-80gb); the engine's torch executor "
                                                       "runs on CUDA under a GPU preset (h200-141gb, ...)")
-    g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local Hugging "
-                                                    "Face folder")
     g.add_argument("--executor", choices=("torch", "sim"), default="torch",
                    help="the engine target's executor (default: %(default)s)")
     g.add_argument("--device-memory", type=parse_size, metavar="SIZE",
@@ -73,7 +73,7 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--cost-profile", metavar="FILE",
                    help="engine target with --executor sim: serve these coefficients (JSON), e.g. to check "
                         "that calibration recovers them")
-    add_engine_flags(p)
+    add_engine_flags(p, platform_block_size=True)
     g = p.add_argument_group("probes")
     g.add_argument("--quick", action="store_true", help="a smaller probe set (about half the requests)")
     g.add_argument("--max-batch", type=positive_int, default=64,
@@ -87,12 +87,7 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="probe prompts' seed (default: fresh prompts each run; the same seed twice on one server "
                         "would hit the prefix cache the first run left)")
-    g = p.add_argument_group("servers kvtune starts")
-    g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
-                   help="how long a started server may take to become healthy (default: %(default)s)")
-    g.add_argument("--vllm-command", default="vllm", help="how to run vLLM (default: %(default)s)")
-    g.add_argument("--sglang-python", default="python3", help="the python that has sglang")
-    g.add_argument("--server-args", default="", help="extra arguments for the vllm or sglang server")
+    add_server_flags(p)
     add_db_argument(p)
     p.add_argument("--no-save", action="store_true", help="fit and report, but store nothing")
     p.add_argument("--json", action="store_true", help="end with the profile (less its observations) as one "
@@ -146,26 +141,15 @@ def cmd_calibrate(args) -> int:
 
 
 def _server_target(args, config: EngineConfig, preset: str, device: str):
-    options = LiveOptions(device=device)
-    if args.target == "engine":
-        return EngineTarget(options, args.start_timeout, executor=args.executor, preset=preset, device=device,
-                            model_path=args.model,
-                            device_memory=str(args.device_memory) if args.device_memory else None)
-    if args.target == "vllm":
-        return VllmTarget(options, args.start_timeout, model=args.model or "", vllm_command=args.vllm_command,
-                          extra_args=args.server_args)
-    return SglangTarget(options, args.start_timeout, model=args.model or "", python=args.sglang_python,
-                        extra_args=args.server_args)
+    return live_target(args.target, args, preset, device)
 
 
 def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
                      cost_profile: str | None = None, **kwargs) -> CalibrationProfile:
     """Start the target's server with `config` (as a trial would), calibrate against it, stop it."""
-    port = free_port()
-    command = server_target.command(config, port)
+    server = server_target.server(config)
     if cost_profile:
-        command += ["--cost-profile", cost_profile]
-    server = ManagedServer(command, port, server_target.start_timeout_s, env={"OMP_NUM_THREADS": "1"})
+        server.command += ["--cost-profile", cost_profile]
     with server:
         return calibrate_url(server.url, preset, device, config, name, target=server_target.name,
                              executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
@@ -206,7 +190,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     shapes, observations = step_shapes(runs, model, device_spec, server_config, base)
     result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
                               base=base)
-    return CalibrationProfile(
+    profile = CalibrationProfile(
         name=name, model=model.name, device=device, coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
         target=target, url=url, executor=executor,
@@ -217,6 +201,37 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
                        "predicted_s": o.predicted_s} for o in result.observations],
         probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {},
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
+    reasons = degenerate_reasons(result)
+    if reasons:
+        # What to try, for what went wrong: noise (a busy machine, too few samples), timings
+        # the stream could not time, or prompts the cost model does not reach.
+        advice = []
+        drift = profile.drift.get("change")
+        if drift is not None and abs(drift) > DRIFT_WARN:
+            advice.append(f"calibrate when the server is quiet: its speed moved {drift:+.0%} between the first "
+                          "and the last probe (other work on its machine, or other clients of the server?)")
+        else:
+            advice.append("calibrate when the server is quiet: nothing else on its machine, no other client")
+        if quick:
+            advice.append("drop --quick: the full plan has more lengths, batch sizes and repeats per term, "
+                          "and longer decode windows")
+        if result.dropped:
+            advice.append("a probe without a timing: its streams came in too few chunks in its window (a "
+                          "server whose frontend falls behind merges tokens, or sends a stream in one burst): a "
+                          "quieter machine, or smaller batches (--max-batch)")
+        if target == "url":
+            advice.append(f"check that --preset {preset} --device {device} describe the served model, and that "
+                          "the scheduler flags (--max-num-seqs, --max-num-batched-tokens, --block-size, ...) are "
+                          "the server's: the fit replays the probes with them")
+        longest = max(run.probe.prompt_len for run in runs)
+        advice.append(f"where the longest prompts misfit, leave them out (--max-prompt, now {longest})")
+        raise FitRefusedError(
+            f"the fit is not usable as a cost profile ({len(reasons)} "
+            f"{'reason' if len(reasons) == 1 else 'reasons'}; rms limit {RMS_LIMIT:.0%}):\n"
+            + "".join(f"  - {r}\n" for r in reasons)
+            + "to do:\n" + "".join(f"  - {a}\n" for a in advice)
+            + "the refused fit:\n" + format_profile(profile), reasons, profile)
+    return profile
 
 
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
@@ -266,13 +281,12 @@ def _bound_note(name: str, value: float) -> str:
     """Where the fit left a coefficient at a bound. An efficiency at its top or an overhead
     at its floor prices its term at about zero: the probes' timings did not show it (a GPU
     serving a small model is host-bound, and its roofline terms go so)."""
-    lo, hi = BOUNDS.get(name, (0.0, float("inf")))
-    at_top, at_floor = value >= hi / 1.01, 0 < value <= lo * 1.01  # 0: never fitted (no probe could)
-    if not (at_top or at_floor):
+    side = bound_side(name, value)  # None for 0: never fitted (no probe could)
+    if side is None:
         return ""
-    unseen = at_top if name.endswith("efficiency") else at_floor
-    return (f"   (at the fit's {'upper' if at_top else 'lower'} bound: "
-            + ("the probes did not show this term)" if unseen else "the timings asked for more than it allows)"))
+    return (f"   (at the fit's {side} bound: "
+            + ("the probes did not show this term)" if unseen(name, value)
+               else "the timings asked for more than it allows)"))
 
 
 def _kernel_line(c: CostCoefficients) -> str:

@@ -62,6 +62,10 @@ DECODE_REPEATS = 3  # trials of each decode probe
 LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
 LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
 PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
+# Stream lines read within this of the chunk before are one delivery, timed as that chunk: a
+# server that falls behind (vLLM's frontend on a busy CPU) writes what it held in one burst,
+# whose lines the client reads 20-100 us apart; no engine step is that short.
+BURST_S = 0.5e-3
 
 
 class CalibrationError(RuntimeError):
@@ -307,8 +311,7 @@ class ProbeRun:
         gaps = []
         for r in trial.background_requests:
             arr = np.asarray(r.token_times)
-            window = arr[(arr >= start) & (arr <= end)]
-            gaps.extend(np.diff(window).tolist())
+            gaps.extend(chunk_gaps(arr[(arr >= start) & (arr <= end)]))
         return gaps
 
     @property
@@ -332,10 +335,14 @@ class ProbeRun:
             if measure == TTFT:
                 requests = self.trials[0].requests
                 return float(np.mean([requests[i].ttft for i in self.loaded_selection()]))
-            return float(np.mean(self.loaded_gaps()))
+            gaps = self.loaded_gaps()  # none: the window held at most one chunk of each stream
+            return float(np.mean(gaps)) if gaps else float("nan")
         if measure in (TTFT, PREFILL_TIME):
             return float(np.median(self._per_trial(measure)))
-        return float(np.median([steady_itl([r.token_times for r in t.requests]) for t in self.trials]))
+        # A trial whose streams came in too few chunks to time (nan) is left out, unless most are.
+        values = [steady_itl([r.token_times for r in t.requests]) for t in self.trials]
+        finite = [v for v in values if np.isfinite(v)]
+        return float(np.median(finite)) if 2 * len(finite) > len(values) else float("nan")
 
     def spread(self, measure: str) -> float:
         """The observable's standard error, from the spread of what it is the median of
@@ -355,28 +362,54 @@ class ProbeRun:
         return float(1.4826 * 1.253 * np.median(np.abs(arr - np.median(arr))) / np.sqrt(len(arr)))
 
 
+def chunk_gaps(times) -> list[float]:
+    """Per token after the first chunk, its share of the gap before the chunk it came in.
+
+    A server may merge several tokens into one streamed chunk, or write several chunks in
+    one burst (vLLM does both under load, when its frontend falls behind the engine): they
+    arrive with one receipt time (repeated in `RequestTiming.token_times`, one per token, by
+    the usage's token count; a burst's lines by BURST_S). Their steps took the time since
+    the chunk before, so each of its k tokens gets a k-th of that gap; the first chunk's
+    tokens, whose steps began before the window, none. Without merging, np.diff(times).
+    The gaps add up to the span: their mean is span / tokens after the first chunk."""
+    arr = np.asarray(times, dtype=float)
+    if len(arr) < 2:
+        return []
+    chunks, counts = np.unique(arr, return_counts=True)
+    return np.repeat(np.diff(chunks) / counts[1:], counts[1:]).tolist()
+
+
 def _steady_window(token_times: list[list[float]]) -> list[np.ndarray]:
     """Each request's token times while every request of a batch decodes.
 
     The window starts at the token (of each request) sent with the batch's last first
     token (every prefill done) and ends one token before the first request's last
     token (none has finished): the same steps for all requests, found by time. Too
-    short a window: every token after the first."""
+    short a window: every token after the first. Tokens merged into one chunk share its
+    time: the window starts at the last of the chunk's (those before it were made before
+    the window), so its span over its gaps counts the tokens made in it."""
     start = max(times[0] for times in token_times)
     end = min(times[-1] for times in token_times)
     windows = []
     for times in token_times:
         arr = np.asarray(times)
         i0 = int(np.argmin(np.abs(arr - start)))
+        i0 = int(np.searchsorted(arr, arr[i0], side="right")) - 1  # the last token of its chunk
         i1 = int(np.argmin(np.abs(arr - end))) - 1
         if i1 - i0 >= 1:
             windows.append(arr[i0:i1 + 1])
-    return windows or [np.asarray(times[1:]) for times in token_times if len(times) > 2]
+    if windows:
+        return windows
+    for times in token_times:
+        i = int(np.searchsorted(times, times[0], side="right")) - 1  # the last token of the first chunk
+        if len(times) > 2 and len(times) - i >= 2:
+            windows.append(np.asarray(times[i:]))
+    return windows
 
 
 def steady_gaps(token_times: list[list[float]]) -> list[float]:
     """The gaps between tokens in the steady window (`_steady_window`)."""
-    return [g for window in _steady_window(token_times) for g in np.diff(window).tolist()]
+    return [g for window in _steady_window(token_times) for g in chunk_gaps(window)]
 
 
 def steady_itl(token_times: list[list[float]]) -> float:
@@ -576,6 +609,7 @@ async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: lis
     timing = timing or RequestTiming(0.0)
     timing.sent = time.perf_counter()
     done = False
+    read = -1.0  # when the last line came in
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:300]
@@ -594,10 +628,18 @@ async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: lis
             if not payload.get("choices"):
                 continue  # the final usage-only chunk
             usage = payload.get("usage")
-            count = usage["completion_tokens"] if usage else len(timing.token_times) + 1
+            ids = payload["choices"][0].get("token_ids")
+            # A chunk may carry several tokens (merged under load): the usage's running count
+            # says how many, else its token ids; a text-only chunk counts one.
+            count = usage["completion_tokens"] if usage else len(timing.token_times) + (len(ids) if ids else 1)
+            read, last_read = now, read
+            if timing.token_times and read - last_read < BURST_S:
+                now = timing.token_times[-1]  # the same burst as the line before: one chunk (see chunk_gaps)
             timing.token_times.extend([now] * (count - len(timing.token_times)))
     if not done:
         raise _BadAnswer("the stream ended without [DONE]; the server may have died")
     if len(timing.token_times) < max_tokens:
-        raise _BadAnswer(f"{len(timing.token_times)} tokens streamed, {max_tokens} asked for (ignore_eos)")
+        raise _BadAnswer(f"{len(timing.token_times)} tokens streamed, {max_tokens} asked for (ignore_eos; a "
+                         "server that merges tokens into one chunk must report its usage in each chunk, "
+                         "stream_options.continuous_usage_stats)")
     return timing
