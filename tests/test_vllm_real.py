@@ -110,7 +110,7 @@ def test_diagnose_url_watches_vllm_under_load(vllm_url, shared_prefix_trace, tmp
 def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp_path):
     db = f"sqlite:///{tmp_path}/cal.db"
     p = kvtune("calibrate", "--target", vllm_url, "--preset", "tiny", "--device", "cpu", "--quick",
-               "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
+               "--max-batch", "16", "--max-prompt", "512", "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
     if p.returncode == 0:
         profile = json.loads(p.stdout.strip().splitlines()[-1])
         assert profile["name"] == "vllm-cpu"
@@ -125,9 +125,10 @@ def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp
 
 def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(checkpoint, tmp_path):
     """kvtune starts vLLM itself (module form, no --block-size: the CPU build's own 128 is used
-    and read back); 64 blocks of 32 tokens cannot hold 24 requests of 768 tokens."""
-    workload = synthesize(SynthSpec(num_requests=24, rate=200.0, input_len=parse_dist("512"),
-                                    output_len=parse_dist("256"), seed=2))
+    and read back); 64 blocks of 32 tokens take five 384-token prompts, which outgrow it as they
+    decode 192 tokens each (20 requests: the fewest a diagnosis judges)."""
+    workload = synthesize(SynthSpec(num_requests=20, rate=200.0, input_len=parse_dist("384"),
+                                    output_len=parse_dist("192"), seed=2))
     trace = tmp_path / "tight.jsonl"
     write_workload(workload, str(trace))
     db = f"sqlite:///{tmp_path}/runs.db"
@@ -136,9 +137,9 @@ def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(checkpoint, t
                "--db", db, "--json")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout.strip().splitlines()[-1])
-    assert s["completed"] == 24
+    assert s["completed"] == 20
     assert s["server_preemptions"] > 0
-    assert 0 < s["server_requests_preempted"] <= 24  # from vllm:request_num_preemptions, not the clients
+    assert 0 < s["server_requests_preempted"] <= 20  # from vllm:request_num_preemptions, not the clients
     assert s["server_prompt_tokens"] >= sum(r.input_length for r in workload.requests)
     d = kvtune("diagnose", "--run", str(s["run_id"]), "--db", db, "--json")
     found = {x["id"]: x for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]}
