@@ -6,7 +6,6 @@ only makes the start slower; the tests measure decisions and counters, not speed
 """
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
@@ -56,6 +55,3 @@ def counter(scrape: dict, name: str, **labels) -> float:
             total += value
     return total
 
-
-def server_env() -> dict:
-    return dict(os.environ, **ENV)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import os
 import shlex
 import shutil
 from dataclasses import dataclass, field
@@ -77,13 +76,6 @@ class TargetRules:
         """The environment that must go with the launch command to reproduce the pool."""
         return dict(self.pool_env)
 
-    def describe(self) -> str:
-        pool = (f"pool sized by {self.pool_knob}" + (f"={self.pool_env[self.pool_knob]}"
-                                                     if self.pool_knob in self.pool_env else ""))
-        return (f"{self.server}: block sizes {', '.join(map(str, self.block_sizes))} (default {self.block_size}), "
-                f"{pool}" + ("" if self.utilization_sizes_pool else "; --gpu-memory-utilization is ignored"))
-
-
 def vllm_rules(platform: str, env: dict | None = None) -> TargetRules:
     """GPU or CPU vLLM; `env` is the server's environment (VLLM_CPU_KVCACHE_SPACE)."""
     if platform == "cpu":
@@ -114,7 +106,3 @@ def vllm_platform(command: str) -> str:
     found = glob.glob(str(prefix / "lib" / "python*" / "site-packages" / "vllm_cpu-*.dist-info"))
     return "cpu" if found else "cuda"
 
-
-def server_environment(extra: dict) -> dict:
-    """The environment a started server sees: ours, then the --server-env entries."""
-    return dict(os.environ, **extra)
