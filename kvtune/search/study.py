@@ -45,9 +45,12 @@ def open_storage(db_url: str, heartbeat_s: float = 30.0) -> optuna.storages.RDBS
                 return optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
                                                   heartbeat_interval=int(max(1, heartbeat_s)),
                                                   grace_period=int(max(3, 3 * heartbeat_s)))
-        except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError) as err:
+        except sqlalchemy.exc.DatabaseError as err:
             # Two searches starting at once both create Optuna's schema; the loser retries.
-            schema_race = "already exists" in str(err) or "alembic_version" in str(err)
+            # PostgreSQL reports the lost race as IntegrityError (pg_type's unique key) or
+            # ProgrammingError (DuplicateTable), SQLite as OperationalError.
+            text = str(err)
+            schema_race = any(s in text for s in ("already exists", "alembic_version", "duplicate key"))
             if not schema_race or attempt == 4:
                 raise
             time.sleep(0.2 * (attempt + 1))
