@@ -8,6 +8,20 @@ every table of ours is prefixed `kvtune_` (Optuna owns `studies`, `trials`, …)
 A run's per-step series are stored one row per series name (a sim run has ~300k
 steps: one row per sample would be millions); live scrape samples, which the UI
 polls while a run is in progress, are stored in long form (t, name, value).
+
+A run is stored in one of two details (`save_run(..., detail=)`):
+
+- "full": everything, as the run produced it: every request's record (its ITLs
+  included) and every series at full resolution. Live runs, and the few stage-1
+  runs a report plots and diagnoses, are stored so.
+- "summary": the run row (summary, config, workload profile, status) and its
+  series downsampled to at most SUMMARY_POINTS points by `downsample_series`;
+  no per-request rows. A search's other stage-1 trials are stored so (on the
+  demo's workload about 20 kB a run instead of 1.9 MB). `load_run` gives a
+  valid RunResult with no requests.
+
+`slim_runs` turns full runs into summary ones in place (a stage-1 trial that left
+the best few).
 """
 from __future__ import annotations
 
@@ -20,6 +34,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, ClassVar, NamedTuple, Self
 
+import numpy as np
 from sqlalchemy import (
     JSON,
     CheckConstraint,
@@ -53,6 +68,15 @@ DEFAULT_DB_URL = "sqlite:///kvtune.db"
 DB_ENV = "KVTUNE_DB"
 RUN_STATUSES = ("ok", "failed", "running")
 TRIAL_STAGES = ("sim", "live")
+DETAILS = ("full", "summary")
+SUMMARY_POINTS = 200  # points per series of a run stored in summary
+# Series that count events per sample (a sim step's tokens, a scrape interval's counter
+# increase: kvtune.scrape.log.SERIES_COUNTERS): downsampled by their sum. Any other
+# series but time and duration is a gauge (usage, running, waiting): by its peak.
+COUNTER_SERIES = frozenset({
+    "num_preemptions", "prefix_queries", "prefix_hits", "num_tokens", "generation_tokens", "num_seqs",
+    "context_tokens", "prompt_tokens", "requests_finished", "kvengine_evictions"})
+_SIGNIFICANT = 6  # digits a summary run's float series keep
 
 
 class StoreError(RuntimeError):
@@ -390,31 +414,71 @@ class Store:
 
     def save_run(self, result: RunResult, status: str = "ok", error: str | None = None,
                  study: str | None = None, trial: int | None = None, label: str | None = None,
-                 notes: str | None = None, run_id: int | None = None) -> int:
-        """Store a whole RunResult in one transaction; with run_id, complete that started run."""
+                 notes: str | None = None, run_id: int | None = None, detail: str = "full") -> int:
+        """Store a RunResult in one transaction; with run_id, complete that started run (or
+        replace a stored run's figures, requests and series).
+
+        detail "full" keeps every request and every series point; "summary" keeps the run row
+        and its series downsampled (downsample_series), no requests (see the module's doc)."""
         _check_status(status)
+        if detail not in DETAILS:
+            raise ValueError(f"run detail must be one of {DETAILS}, not {detail!r}")
         fields = {"target": result.target, "model": result.model, "device": result.device,
                   "status": status, "error": error, "config": result.config, "workload": result.workload,
                   "summary": result.summary, "duration_s": result.duration_s, "wall_s": result.wall_s}
         extras = {"study": study, "trial_number": trial, "label": label, "notes": notes}
+        requests, series = result.requests, result.series
+        if detail == "summary":
+            series = downsample_series(series, finished_at=_finish_times(result.requests))
+            requests = []
         with self._write.begin() as session:
             if run_id is None:
                 run = DbRun(**fields, **extras)
                 session.add(run)
                 session.flush()
                 run_id = run.id
-            else:
+            else:  # a started run, or a stored one whose requests and series this replaces
                 self._require_run(session, run_id)
                 extras = {k: v for k, v in extras.items() if v is not None}
                 session.execute(update(DbRun).where(DbRun.id == run_id).values(**fields, **extras))
-            if result.requests:
+                for table in (DbRequest, DbSeries):
+                    session.execute(delete(table).where(table.run_id == run_id))
+            if requests:
                 session.execute(insert(DbRequest), [
-                    {"run_id": run_id, "position": i, **_request_row(r)} for i, r in enumerate(result.requests)])
-            if result.series:
-                session.execute(insert(DbSeries), [
-                    {"run_id": run_id, "position": i, "name": name, "values": list(values)}
-                    for i, (name, values) in enumerate(result.series.items())])
+                    {"run_id": run_id, "position": i, **_request_row(r)} for i, r in enumerate(requests)])
+            _insert_series(session, run_id, series)
         return run_id
+
+    def full_runs(self, run_ids: Iterable[int]) -> set[int]:
+        """Those of these runs that still hold per-request records (stored in full)."""
+        ids = sorted(set(run_ids))
+        found: set[int] = set()
+        with self._read.begin() as session:
+            for chunk in _chunks(ids):
+                found.update(session.scalars(select(DbRequest.run_id).where(DbRequest.run_id.in_(chunk))
+                                             .distinct()))
+        return found
+
+    def slim_runs(self, run_ids: Iterable[int]) -> list[int]:
+        """Store these runs in summary from now on: drop their request rows, downsample their series.
+
+        Runs already in summary (no request rows) are left alone; returns the ids slimmed.
+        Each run is one transaction, so a reader sees it whole before or after."""
+        slimmed = []
+        for run_id in sorted(self.full_runs(run_ids)):
+            with self._write.begin() as session:
+                finished = session.execute(select(DbRequest.arrival_s, DbRequest.e2e_s, DbRequest.ttft_s,
+                                                  DbRequest.error).where(DbRequest.run_id == run_id)).all()
+                if not finished:  # another process slimmed it meanwhile
+                    continue
+                series = dict(session.execute(select(DbSeries.name, DbSeries.values)
+                                              .where(DbSeries.run_id == run_id).order_by(DbSeries.position)).all())
+                ends = [a + e for a, e, ttft, err in finished if err is None and ttft is not None and e is not None]
+                session.execute(delete(DbRequest).where(DbRequest.run_id == run_id))
+                session.execute(delete(DbSeries).where(DbSeries.run_id == run_id))
+                _insert_series(session, run_id, downsample_series(series, finished_at=ends))
+            slimmed.append(run_id)
+        return slimmed
 
     def mark_run(self, run_id: int, status: str, error: str | None = None) -> None:
         _check_status(status)
@@ -636,6 +700,108 @@ def _request_row(record: RequestRecord) -> dict:
 
 def _request_record(row: DbRequest) -> RequestRecord:
     return RequestRecord(**{name: getattr(row, name) for name in _REQUEST_FIELDS})
+
+
+def _finish_times(records: list[RequestRecord]) -> list[float]:
+    """When each completed request finished, on the run's clock (that of its series' time)."""
+    return [r.arrival_s + r.e2e_s for r in records if r.ok and r.e2e_s is not None]
+
+
+def _insert_series(session: Session, run_id: int, series: dict[str, list]) -> None:
+    if series:
+        session.execute(insert(DbSeries), [
+            {"run_id": run_id, "position": i, "name": name, "values": list(values)}
+            for i, (name, values) in enumerate(series.items())])
+
+
+def _chunks(ids: list[int], size: int = 500):
+    for i in range(0, len(ids), size):
+        yield ids[i:i + size]
+
+
+# ---------------------------------------------------------------- downsampling
+
+def downsample_series(series: dict[str, list], points: int = SUMMARY_POINTS,
+                      finished_at: list[float] | None = None) -> dict[str, list]:
+    """A run's series in at most `points` samples, each one time bucket of the run.
+
+    The run's span (first to last `time`) is cut into `points` equal windows and the
+    samples in each are merged into one; empty windows (a sim run's idle gaps) give none;
+    series of at most `points` samples keep every sample. A merged sample's `time` is its last sample's (a sample's time is its end), its
+    `duration` the sum of theirs (the time they cover); a counter (COUNTER_SERIES: events
+    per sample) is their sum, so totals, the prefix hit rate and the preemptions so far
+    are exact; a gauge (KV usage, running, waiting, any other series) is their peak, as
+    the report's and the UI's charts bin it, so the peaks they draw survive. Time-weighted
+    means of gauges become upper bounds. Missing values (None, NaN) are skipped; a window
+    with none stays None. Floats keep 6 significant digits.
+
+    With `finished_at` (the completed requests' finish times) and no `requests_finished`
+    series yet, one is added, as a live server's scrape has: requests finished per sample,
+    so a summary run still says how many requests its series cover (the diagnosis reads it
+    when there are no request records).
+
+    Series not aligned with `time` are kept as they are when short, else thinned evenly."""
+    times = series.get("time") or []
+    n = len(times)
+    out: dict[str, list] = {}
+    if n == 0:
+        return {name: _thin(values, points) for name, values in series.items()}
+    t = _floats(times)
+    finite = np.isfinite(t)
+    lo, hi = (float(t[finite].min()), float(t[finite].max())) if finite.any() else (0.0, 0.0)
+    t = np.where(finite, t, lo)
+    width = (hi - lo) / points
+    if n <= points:  # short enough: each sample stays one (so downsampling a summary run changes nothing)
+        bucket = np.arange(n)
+    elif width > 0:
+        bucket = np.minimum(((t - lo) / width).astype(int), points - 1)
+    else:
+        bucket = np.zeros(n, int)
+    used = np.unique(bucket)  # sorted: the buckets in time order
+    slot = np.searchsorted(used, bucket)  # each sample's merged sample
+    m = len(used)
+    for name, values in series.items():
+        if name == "time":
+            merged = _merge(t, slot, m, "max")
+        elif len(values) != n:
+            out[name] = _thin(values, points)
+            continue
+        else:
+            kind = "sum" if name == "duration" or name in COUNTER_SERIES else "max"
+            merged = _merge(_floats(values), slot, m, kind)
+        out[name] = _compact(merged, all(isinstance(v, int) or v is None for v in values))
+    if finished_at and "requests_finished" not in series:
+        ends = np.asarray(out["time"], dtype=float)
+        at = np.clip(np.searchsorted(ends, np.asarray(finished_at, dtype=float) - 1e-9), 0, m - 1)
+        out["requests_finished"] = [int(c) for c in np.bincount(at, minlength=m)]
+    return out
+
+
+def _floats(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _merge(values: np.ndarray, slot: np.ndarray, m: int, kind: str) -> np.ndarray:
+    present = ~np.isnan(values)
+    counts = np.bincount(slot[present], minlength=m)
+    if kind == "sum":
+        merged = np.bincount(slot[present], values[present], minlength=m)
+    else:
+        merged = np.full(m, -np.inf)
+        np.maximum.at(merged, slot[present], values[present])
+    return np.where(counts > 0, merged, np.nan)
+
+
+def _compact(values: np.ndarray, ints: bool) -> list:
+    if ints:
+        return [None if math.isnan(v) else int(v) for v in values.tolist()]
+    return [None if math.isnan(v) else float(f"{v:.{_SIGNIFICANT}g}") for v in values.tolist()]
+
+
+def _thin(values: list, points: int) -> list:
+    if len(values) <= points:
+        return list(values)
+    return [values[int(i)] for i in np.linspace(0, len(values) - 1, points)]
 
 
 def _summary_select():

@@ -1,8 +1,20 @@
 """The Optuna study: RDB storage shared with the run store, samplers, and the
-stage-1 trial loop that several processes can run on one study at once."""
+stage-1 trial loop that several processes can run on one study at once.
+
+What stage 1 stores: every trial's run in summary (its figures, config, workload
+profile and series downsampled to at most 200 points; kvtune.store), except the
+best KEEP_FULL trials by the study's ranking and the default config's trial, which
+keep every request in full (the report and the UI plot and diagnose the best and
+the default). A trial is stored in full when it enters that set and slimmed once a
+better one pushes it out, so the set holds whichever process ran what and wherever
+a search stops. `Stage1.keep_full(run_ids)` stores any other stage-1 run in full
+again (the simulator is deterministic: it re-runs the config), for the runs a
+report is about to show when its ranking picked another trial."""
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,11 +28,13 @@ from kvengine.config import EngineConfig
 
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
+from ..workload import rate_scale
 from .objective import Objective
 from .space import SearchSpace, check_config
 
 SAMPLERS = ("tpe", "gp", "random")
 FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+KEEP_FULL = 3  # the best stage-1 runs kept in full, besides the default's; the rest in summary
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)  # we report failed trials ourselves
 
@@ -149,22 +163,81 @@ class Stage1:
         self.study, self.space, self.base, self.objective = study, space, base, objective
         self.run, self.workload, self.store, self.n_trials = run, workload, store, n_trials
         self.on_trial = on_trial or (lambda record: None)
+        self._enqueued: dict | None = None
 
     def enqueue(self, params: dict) -> None:
         """A config to try first (vLLM's defaults), once per study."""
         self.study.enqueue_trial(params, skip_if_exists=True)
+        self._enqueued = self._enqueued or dict(params)
 
     def optimize(self) -> None:
         """Optuna's own loop (so the storage heartbeat runs), stopped once the study is full."""
         if count_taken(self.study) >= self.n_trials:
+            self.slim_dropped_runs()
             return
 
         def stop_when_full(study, _trial):
             if count_taken(study) >= self.n_trials:
                 study.stop()
 
-        self.study.optimize(self._objective, callbacks=[stop_when_full], catch=(TrialFailed,),
+        def slim(_study, _trial):
+            self.slim_dropped_runs()
+
+        self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
                             gc_after_trial=False)
+        self.slim_dropped_runs()
+
+    def slim_dropped_runs(self) -> list[int]:
+        """Store in summary the stage-1 runs kept in full that are no longer among those kept
+        (a better trial came); returns their ids. Another process's trial counts once finished."""
+        points = [_point(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+        keep = full_detail_numbers(points, self._default_params())
+        kept_runs = {p.run_id for p in points if p.number in keep}
+        dropped = {p.run_id for p in points if p.run_id is not None and p.run_id not in kept_runs}
+        try:
+            return self.store.slim_runs(dropped)
+        except sqlalchemy.exc.SQLAlchemyError as err:  # housekeeping: the next trial tries again
+            logging.getLogger("kvtune.search").warning("could not slim stage-1 runs: %s", err)
+            return []
+
+    def keep_full(self, run_ids) -> list[int]:
+        """Store these stage-1 runs of the study in full: re-run on the simulator each one stored in
+        summary and put its requests and series back (same run id). Returns the ids re-run.
+
+        Ids that are not a completed stage-1 trial's run (a live run) are left alone, and so is a run
+        whose re-run does not reproduce its stored summary (a changed workload file or simulator)."""
+        wanted = {i for i in run_ids if i is not None}
+        done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        trials = {t.user_attrs["run_id"]: t for t in done
+                  if t.user_attrs.get("run_id") in wanted and "duplicate_of" not in t.user_attrs}
+        redone = []
+        for run_id in sorted(set(trials) - self.store.full_runs(trials)):
+            trial = trials[run_id]
+            config = self.space.config(dict(trial.params), self.base)
+            workload = self.workload
+            if self.objective.kind == "capacity":  # the run at the rate scale it found (the lowest if none)
+                workload = rate_scale(workload, trial.values[0] or self.objective.capacity_low)
+            try:
+                result = self.run(config, workload)
+            except (TargetStartError, TargetRunError):
+                continue
+            if not _same_figures(self.store.load_run(run_id).summary, result.summary):
+                logging.getLogger("kvtune.search").warning(
+                    "trial %d's re-run differs from its stored run %d: it stays in summary", trial.number, run_id)
+                continue
+            self.store.save_run(result, run_id=run_id)
+            redone.append(run_id)
+        return redone
+
+    def _default_params(self) -> dict | None:
+        """The default config (the report's and stage 2's), as the search stored it, else the first enqueued."""
+        return self.study.user_attrs.get("default_params") or self._enqueued
+
+    def _detail(self, done: list, number: int, params: dict, values: list[float], sc) -> str:
+        """'full' when this trial enters the best (or is the default) among the completed ones, else 'summary'."""
+        this = _Point(number, params, list(values), dict(sc.violations), None)
+        keep = full_detail_numbers([_point(t) for t in done] + [this], self._default_params())
+        return "full" if number in keep else "summary"
 
     def _objective(self, trial: optuna.Trial):
         if trial.number - self._surplus_before(trial.number) >= self.n_trials:
@@ -183,7 +256,9 @@ class Stage1:
 
     def _run_trial(self, trial: optuna.Trial) -> TrialRecord:
         params = self.space.suggest(trial)
-        twin = self._completed_twin(params, trial.number)
+        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if t.number != trial.number]
+        twin = next((t for t in done if t.params == params), None)
         if twin is not None:  # same point again: reuse its measurement, do not pay for it twice
             for name, value in (twin.constraints or {}).items():
                 trial.set_constraint(name, value)
@@ -203,7 +278,8 @@ class Stage1:
             return self._fail(trial, params, str(err))
         for name, value in sc.violations.items():
             trial.set_constraint(name, value)
-        run_id = self.store.save_run(result, study=self.study.study_name, trial=trial.number)
+        run_id = self.store.save_run(result, study=self.study.study_name, trial=trial.number,
+                                     detail=self._detail(done, trial.number, params, values, sc))
         attrs = {"run_id": run_id, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
                  **{f"observed_{k}": v for k, v in sc.observed.items()}}
         for key, value in attrs.items():
@@ -212,17 +288,50 @@ class Stage1:
                               constraints=sc.violations, run_id=run_id)
         return TrialRecord(trial.number, params, "COMPLETE", values, run_id, feasible=sc.feasible)
 
-    def _completed_twin(self, params: dict, number: int):
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.number != number and t.params == params:
-                return t
-        return None
-
     def _fail(self, trial, params: dict, reason: str) -> TrialRecord:
         trial.set_user_attr("fail_reason", reason)
         self.store.save_trial(self.study.study_name, trial.number, "sim", "FAIL", params, reason=reason)
         logging.getLogger("kvtune.search").info("trial %d failed: %s", trial.number, reason)
         return TrialRecord(trial.number, params, "FAIL", reason=reason)
+
+
+@dataclass
+class _Point:
+    """A completed stage-1 trial, as the choice of runs kept in full reads it."""
+    number: int
+    params: dict
+    values: list[float]
+    constraints: dict
+    run_id: int | None
+    duplicate_of: int | None = None
+
+
+def _point(trial) -> _Point:
+    attrs = trial.user_attrs
+    return _Point(trial.number, dict(trial.params), list(trial.values or []), dict(trial.constraints or {}),
+                  attrs.get("run_id"), attrs.get("duplicate_of"))
+
+
+def full_detail_numbers(points: list, default_params: dict | None, k: int = KEEP_FULL) -> set[int]:
+    """The trials whose runs stay in full: the best k by the study's ranking (ranked_trials; for
+    multi, by the first value, the front's throughput end) and the default config's. Duplicates
+    (their twin's run) are left out."""
+    done = sorted((p for p in points if p.duplicate_of is None and p.values), key=lambda p: p.number)
+    ranked = sorted(done, key=lambda p: (not _feasible(p.constraints), -_first(p), _violation(p)))
+    keep = {p.number for p in ranked[:k]}
+    if default_params is not None:
+        keep |= {p.number for p in done if p.params == default_params}
+    return keep
+
+
+def _first(point: _Point) -> float:
+    value = point.values[0]
+    return value if math.isfinite(value) else -math.inf
+
+
+def _same_figures(a: dict, b: dict) -> bool:
+    """Two summaries alike, NaN equal to NaN (a rate over no time)."""
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
 def _feasible(constraints: dict | None) -> bool:
@@ -240,7 +349,7 @@ def ranked_trials(study: optuna.Study, objective: Objective) -> list:
     return sorted(done, key=lambda t: (not _feasible(t.constraints), -t.values[0], _violation(t)))
 
 
-def _violation(trial) -> float:
+def _violation(trial) -> float:  # a FrozenTrial or a _Point
     return sum(max(v, 0.0) for v in (trial.constraints or {}).values())
 
 
