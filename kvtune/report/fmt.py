@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from datetime import UTC
 
 from ..results import bound_text, quantile_bound
 
@@ -73,3 +74,27 @@ def param(name: str, value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     return str(value)
+
+
+def tokens(value) -> str:
+    """'1,234 tokens'; a percentile between two lengths keeps its half: '666.5 tokens'."""
+    if not _known(value):
+        return MISSING
+    return f"{int(value):,} tokens" if float(value).is_integer() else f"{value:,.1f} tokens"
+
+
+def seconds(value: float | None) -> str:
+    """A span in seconds: '1.91 s', '86.4 s', '3,600 s (1.0 h)'."""
+    if not _known(value):
+        return MISSING
+    text = f"{value:.3g} s" if value < 100 else f"{value:,.0f} s"
+    if value >= 3600:
+        return f"{text} ({value / 3600:.1f} h)"
+    return f"{text} ({value / 60:.1f} min)" if value >= 120 else text
+
+
+def utc(moment) -> str:
+    """An aware datetime as '2026-12-01 12:49:58 UTC' (ISO date and time)."""
+    if moment is None:
+        return MISSING
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

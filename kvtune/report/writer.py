@@ -6,6 +6,7 @@ from pathlib import Path
 from kvengine.config import EngineConfig
 
 from .capacity import capacity_for
+from .context import context_section
 from .data import ReportData, RunView, load_report_data
 from .diagnoses import pool_lines, run_diagnoses
 from .document import Block, Image
@@ -54,6 +55,7 @@ def compose(data: ReportData, db_url: str) -> list[Block]:
     measured = data.best_run.result.config if data.best_run else None
     commands = launch_commands(config, data.info.preset, data.info.device, served_model, measured) if config else []
     blocks = summary_section(data, commands, served_model, head_diagnoses)
+    blocks += context_section(data)  # what was measured, where, when
     blocks += stages_section(data)
     blocks += search_section(data, param_importance(data.study, value_label(data.info)))
     blocks += kv_section(data, runs, pools)
