@@ -189,7 +189,7 @@ def test_runs_page_shows_each_run(seeded, monkeypatch):
 
     at.toggle(key="runs_trials").set_value(True).run()
     check_page(at, "Runs")
-    assert len(at.selectbox(key="run").options) == 3 + SEARCH_TRIALS + 6 + 3  # + both studies' runs
+    assert len(at.selectbox(key="run").options) == 3 + SEARCH_TRIALS + 6 + 3 * 3  # + both studies' runs (3 runs per live config)
 
 
 def test_runs_in_progress_and_failed(monkeypatch, tmp_path):
@@ -237,13 +237,13 @@ def test_search_page_shows_a_stage1_study(seeded, monkeypatch):
     assert "PED-ANOVA" in text(at)
     assert [s.value for s in at.subheader] == [
         "Trials", "Optimisation history", "Pareto front", "Parameter importance",
-        "Best configs and their launch commands", "Stage 1 (simulator) vs stage 2 (live server)"]
+        "Best configs and their launch commands", "Stage 1 (simulator) vs stage 2 (live runs)"]
     commands = "\n".join(c.value for c in at.code)
     assert "vllm serve" in commands and "kvengine serve" in commands and "--block-size" in commands
     assert "Stage 2 did not run" in text(at)
     stages = frame_with(at, "config", "goodput sim", "goodput live")
-    assert stages["config"].iloc[-1] == "vLLM default" and stages["goodput live"].isna().all()
-    assert at.success and at.success[0].value.startswith("Recommended: **trial")
+    assert stages["config"].iloc[-1] == "the default" and stages["goodput live"].isna().all()
+    assert at.success and at.success[0].value.startswith("Verdict (on the simulator only")
 
 
 def test_search_page_compares_stage1_with_stage2(seeded, monkeypatch):
@@ -251,7 +251,7 @@ def test_search_page_compares_stage1_with_stage2(seeded, monkeypatch):
     at.selectbox(key="study").select("staged").run()
     check_page(at, "Search")
     trials = frame_with(at, "stage", "trial", "result")
-    assert list(trials["stage"]).count("live") == 3 and list(trials["stage"]).count("sim") == 6
+    assert list(trials["stage"]).count("live") == 9 and list(trials["stage"]).count("sim") == 6  # 3 configs x 3 runs
     stages = frame_with(at, "config", "goodput sim", "goodput live", "meets SLOs live")
     assert len(stages) == 3 and stages["goodput live"].notna().all()
     assert set(stages["meets SLOs live"]) <= {"yes", "no"}

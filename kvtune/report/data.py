@@ -13,9 +13,11 @@ from sqlalchemy.engine import make_url
 
 from ..results import RunResult
 from ..search.slo import SLO, score
+from ..search.stage2 import LIVE_LABEL, live_measurement
 from ..search.study import open_storage
+from ..search.validity import measured_on
 from ..store import RunNotFoundError, Store
-from .verdict import Candidate, Measurement, Verdict, choose
+from ..search.ranking import Candidate, Measurement, Verdict, choose
 
 _SLO_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
 _SUMMARY_KEYS = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95", "e2e_p95",
@@ -39,6 +41,7 @@ class StudyInfo:
     knobs: list[str]
     space: dict = field(default_factory=dict)  # knob -> the range searched, as text
     default_params: dict | None = None  # the live target's own default, as the search ran it
+    live_requests: int | None = None  # stage 2 replayed only the first N requests (--live-head)
 
 
 @dataclass
@@ -64,7 +67,7 @@ class ReportData:
 
     @property
     def headline(self) -> Candidate | None:
-        return self.verdict.recommended or self.verdict.closest
+        return self.verdict.recommended or self.verdict.closest or self.verdict.leader
 
 
 def load_report_data(db_url: str, name: str) -> ReportData:
@@ -76,7 +79,7 @@ def load_report_data(db_url: str, name: str) -> ReportData:
         runs = {r.id: r for r in store.list_runs(limit=1_000_000, study=name)}
         info = study_info(study, runs)
         trials = [_stage1(t, info, runs) for t in study.get_trials(deepcopy=False)]
-        live = [_stage2(row, info, load) for row in store.list_trials(name, stage="live")]
+        live = _stage2(store, name, info, runs, load)
         verdict, candidates, default = choose(trials, live, info.slos, _default_params(info))
         data = ReportData(info, study, trials, live, candidates, default, verdict)
         if data.headline is not None:
@@ -121,7 +124,8 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         slos=[parse_slo_text(s) for s in attrs.get("slos") or []], latency=attrs.get("latency", "ttft_p95"),
         workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
-        space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"))
+        space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
+        live_requests=attrs.get("live_requests"))
 
 
 def parse_slo_text(text: str) -> SLO:
@@ -148,20 +152,32 @@ def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Mea
         duplicate_of=attrs.get("duplicate_of"), surplus=bool(attrs.get("surplus")),
         goodput_rps=attrs.get("goodput_rps"), throughput_rps=attrs.get("throughput_rps"), observed=observed,
         summary={k: getattr(run, k) for k in _SUMMARY_KEYS} if run is not None else {},
-        target=run.target if run is not None else None)
+        target=run.target if run is not None else None, measured_on=measured_on("sim", info.device, {}))
 
 
-def _stage2(row, info: StudyInfo, load) -> Measurement:
-    m = Measurement(stage="live", number=row.number, params=dict(row.params), state=row.state,
-                    values=row.values, constraints=dict(row.constraints or {}), run_id=row.run_id,
-                    reason=row.reason)
-    result = load(row.run_id)
-    if result is not None:  # stage 2 stores no scores: score the run as stage 1 did
-        sc = score(result, info.slos)
-        m.goodput_rps, m.throughput_rps, m.observed = sc.goodput_rps, sc.throughput_rps, dict(sc.observed)
-        m.summary = {k: result.summary.get(k) for k in _SUMMARY_KEYS}
-        m.target = result.target
-    return m
+def _stage2(store: Store, name: str, info: StudyInfo, runs: dict, load) -> list[Measurement]:
+    """Every live run of the study, as stage 2 scored it (a run stored before stage 2 kept its
+    scores is scored here, as stage 1 would)."""
+    trials = {row.number: row for row in store.list_trials(name, stage="live")}
+    params = {number: dict(row.params) for number, row in trials.items()}
+    out = []
+    for row in sorted(runs.values(), key=lambda r: r.id):
+        if not (row.label or "").startswith(LIVE_LABEL + " ") or row.trial_number not in params:
+            continue
+        number = row.trial_number
+        repeat = sum(m.number == number for m in out) + 1
+        result = load(row.id) if row.status == "ok" else None
+        if result is None:
+            out.append(Measurement("live", number, params[number], "FAIL", run_id=row.id,
+                                   reason=row.error or "the run did not complete", repeat=repeat))
+            continue
+        if "score" not in result.summary:
+            sc = score(result, info.slos)
+            result.summary["score"] = sc.as_dict() | {"values": trials[number].values or [sc.goodput_rps]}
+        m = live_measurement(number, params[number], row.id, result)
+        m.repeat = repeat
+        out.append(m)
+    return out
 
 
 def _default_params(info: StudyInfo) -> dict | None:

@@ -2,21 +2,12 @@
 a report only reads)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
-from ..diagnose import Diagnosis, Evidence, Thresholds, diagnose
+from ..diagnose import Diagnosis, Evidence, diagnose
 from ..diagnose.facts import gather
 from ..diagnose.report import pool_overview
-from ..search.slo import SLO
+from ..search.slo import SLO, diagnosis_thresholds
 from ..store import Store
 from .data import RunView
-
-
-def thresholds_for(slos: list[SLO]) -> Thresholds:
-    """The rules' TTFT limit is the study's own TTFT p95 SLO where it has one."""
-    th = Thresholds()
-    ttft = next((s for s in slos if s.name == "ttft_p95"), None)
-    return replace(th, ttft_p95_slo_s=ttft.threshold_s) if ttft else th
 
 
 def run_diagnoses(db_url: str, run: RunView, slos: list[SLO]) -> list[Diagnosis]:
@@ -25,12 +16,12 @@ def run_diagnoses(db_url: str, run: RunView, slos: list[SLO]) -> list[Diagnosis]
     if stored:
         return [Diagnosis(d.fault_id, d.severity, d.symptom, [_evidence(e) for e in d.evidence], d.cause, d.fix)
                 for d in stored]
-    return diagnose(run.result, thresholds_for(slos))
+    return diagnose(run.result, diagnosis_thresholds(slos))
 
 
 def pool_lines(run: RunView, slos: list[SLO]) -> list[str]:
     """Used and free blocks, hit rate, preemptions and the contiguous comparison, as the fault card asks."""
-    return pool_overview(gather(run.result, thresholds_for(slos)))
+    return pool_overview(gather(run.result, diagnosis_thresholds(slos)))
 
 
 def _evidence(e) -> Evidence:

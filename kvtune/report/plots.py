@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from .data import RunView
-from .verdict import Measurement
+from ..search.ranking import Measurement
 from .words import metric_label
 
 FEASIBLE, INFEASIBLE, FAILED, BEST = "#1f77b4", "#d62728", "#7f7f7f", "#2ca02c"

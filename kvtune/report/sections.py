@@ -10,7 +10,7 @@ from .capacity import Capacity
 from .data import ReportData, RunView
 from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
 from .importance import Importance
-from .verdict import Candidate, Measurement
+from ..search.ranking import Candidate, Measurement, describe
 from .words import metric_label, row_kind, status, value_label, value_text
 
 QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -20,27 +20,44 @@ FIGURES = ("goodput", "throughput", "TTFT p95", "TPOT p95", "meets SLOs")
 # ---------------------------------------------------------------- 2. stage 1 vs stage 2
 
 def stages_section(data: ReportData) -> list[Block]:
-    intro = ("Stage 1 replays the workload on the simulator; stage 2 re-runs the best configs and vLLM's default "
-             "on a live server. Where the two disagree, trust stage 2." if data.live else
-             "Stage 2 did not run (`--target none`), so only the simulator's numbers exist. The best stage-1 "
-             "configs and vLLM's default:")
+    if data.live:
+        where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
+        intro = (f"Stage 1 replays the workload on the simulator; stage 2 runs the best configs and the target's "
+                 f"default several times each, interleaved, on {', '.join(where)}. Live figures are the mean of "
+                 "the runs with its 95 % bootstrap interval in brackets and the number of runs; a config wins only "
+                 "where its interval clears the default's. " + describe(data.verdict))
+    else:
+        intro = ("Stage 2 did not run (`--target none`), so only the simulator's numbers exist. The best stage-1 "
+                 "configs and the target's default:")
     knobs, stages = data.info.knobs, ("sim", "live") if data.live else ("sim",)
     header = ["config", *knobs]
     for name in FIGURES:
         header += [f"{name} ({stage})" for stage in stages]
+    if data.live:
+        header.append("runs (ok/all)")
     rows = [_stage_row(c, knobs, stages) for c in data.candidates]
-    numeric = [False] + [True] * (len(header) - 1 - len(stages)) + [False] * len(stages)
+    numeric = [False] + [True] * (len(header) - 1 - len(stages) - bool(data.live)) + [False] * (len(stages) + bool(data.live))
     kinds = [row_kind(c.measured) for c in data.candidates]
-    return [Heading("2. Stage 1 (simulator) vs stage 2 (live server)"), Paragraph(intro),
+    return [Heading("2. Stage 1 (simulator) vs stage 2 (live runs)"), Paragraph(intro),
             Table(header, rows, row_kinds=kinds, numeric=numeric)]
 
 
 def _stage_row(c: Candidate, knobs: list[str], stages: tuple[str, ...]) -> list[str]:
     row = [c.label] + [fmt.param(k, c.params.get(k, fmt.MISSING)) for k in knobs]
-    for show_value in (lambda m: fmt.rps(m.goodput_rps), lambda m: fmt.rps(m.throughput_rps),
-                       lambda m: fmt.quantile(m.summary, "ttft_p95"), lambda m: fmt.quantile(m.summary, "tpot_p95")):
-        row += [_cell(getattr(c, stage), show_value) for stage in stages]
+    figures = ((lambda m: m.goodput_rps, "goodput_rps", fmt.rps), (lambda m: m.throughput_rps, "throughput_rps", fmt.rps),
+               (lambda m: m.summary.get("ttft_p95"), "ttft_p95", fmt.ms),
+               (lambda m: m.summary.get("tpot_p95"), "tpot_p95", fmt.ms))
+    for get, key, fmt_value in figures:
+        for stage in stages:
+            m = getattr(c, stage)
+            iv = c.spread.get(key) if stage == "live" else None
+            if m is not None and m.ok and iv is not None and iv.n > 1 and iv.lo != iv.hi:
+                row.append(f"{fmt_value(iv.mean)} [{fmt_value(iv.lo)}, {fmt_value(iv.hi)}]")
+            else:
+                row.append(_cell(m, lambda m: fmt_value(get(m)) if key.endswith("rps") else fmt.quantile(m.summary, key)))
     row += [_feasible(getattr(c, stage)) for stage in stages]
+    if "live" in stages:
+        row.append(f"{sum(m.ok for m in c.runs)}/{len(c.runs)}" if c.runs else fmt.MISSING)
     return row
 
 

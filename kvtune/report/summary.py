@@ -12,7 +12,7 @@ from . import fmt
 from .data import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
-from .verdict import Candidate, Measurement
+from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, where, describe
 from .words import (
     GLOSSARY,
     metric_label,
@@ -31,7 +31,6 @@ COMPARED = (("goodput", "goodput_rps", fmt.rps), ("throughput", "throughput_rps"
 LOWER_IS_BETTER = {"ttft_p95", "tpot_p95", "e2e_p95", "preemptions"}
 NEUTRAL = {"kv_usage_peak"}  # more KV in use is neither good nor bad by itself
 SERIOUS = ("critical", "warning")
-NEAR_TIE = 0.01  # objective values this close are within run-to-run noise
 OVERLOAD_FACTOR, OVERLOAD_SLACK_S = 2.0, 30.0  # finishing after 2x the trace's span + 30 s: the queue only grew
 
 
@@ -56,50 +55,52 @@ def _scope(data: ReportData) -> str:
             + (f"SLOs: {', '.join(slo_text(s) for s in info.slos)}. " if info.slos else "No SLOs were set. ")
             + f"Stage 1 ran {len(ran)} trials on the simulator ({failed} failed). ")
     if data.live:
-        targets = sorted({m.target for m in data.live if m.target})
-        text += (f"Stage 2 re-ran {len(data.live)} configs on a live server "
-                 f"({', '.join(targets) or 'target unknown'}).")
+        where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
+        configs = len({tuple(sorted(m.params.items())) for m in data.live})
+        text += (f"Stage 2 ran {configs} configs {len(data.live)} times in all, interleaved, on "
+                 f"{', '.join(where)}.")
+        if info.live_requests:
+            text += (f" Stage 2 replayed the trace's first {info.live_requests:,} requests, stage 1 all of them: "
+                     "the two stages' figures are not of the same requests.")
+        else:
+            text += " Both stages replayed the same requests."
     else:
-        text += "Stage 2 (live re-runs) did not run: every number below comes from the simulator."
+        text += "Stage 2 (live runs) did not run: every number below comes from the simulator."
     return text
 
 
 def _verdict(data: ReportData, diagnoses: list[Diagnosis]) -> Callout:
-    v, info = data.verdict, data.info
-    where = "on the live server" if v.stage == "live" else "on the simulator"
-    if v.recommended is not None:
+    v = data.verdict
+    title = describe(v).split(". ")[0] + "."
+    if v.kind in (BETTER, KEEP_DEFAULT, SMALLEST_CHANGE):
         rec = v.recommended
-        title = ("vLLM's default config is already the best one found: keep it." if rec.is_default
-                 else f"Recommended: {rec.label}, which meets every SLO {where}." if info.slos
-                 else f"Recommended: {rec.label}, the best {where}.")
-        lines = [params_text(rec.params), _headline_figures(data, rec.measured)]
-        return Callout("ok", title, lines + _near_ties(data, rec))
+        lines = [params_text(rec.params), _headline_figures(data, rec), *(f"• {r}" for r in v.reasons)]
+        if len(v.tied) > 1:
+            lines.append(f"{len(v.tied)} configs are indistinguishable from the best within the spread of their "
+                         "runs (section 2): on this workload these knobs matter little.")
+        return Callout("ok", title, lines)
+    if v.kind == INCONCLUSIVE:
+        lines = ["Nothing is recommended: these runs cannot carry a change of flags. Keep what you run, fix what "
+                 "is below, and run the search again."]
+        if v.leader is not None:
+            lines.append(f"{v.leader.label} measured best ({params_text(v.leader.params)}). "
+                         + _headline_figures(data, v.leader))
+        lines += [f"• {r}" for r in v.reasons]
+        return Callout("warn", title, lines)
     if v.closest is not None:
         lines = [f"The closest is **{v.closest.label}** ({params_text(v.closest.params)}). It misses:",
                  *(f"• {miss_text(m)}" for m in v.misses)]
         if v.feasible_elsewhere:
             lines.append("On the simulator, trials " + ", ".join(map(str, v.feasible_elsewhere)) +
-                         " did meet the SLOs; the live server did not confirm them.")
+                         " did meet the SLOs; the live runs did not confirm them.")
+        lines += [f"• {r}" for r in v.reasons if r != "no config met every SLO"]
         lines += _why(diagnoses, _overload(data, v.closest))
-        return Callout("warn", f"No configuration met the SLOs {where}.", lines)
+        return Callout("warn", f"No configuration met the SLOs ({where(v)}).", lines)
+    if v.stage == "live":
+        return Callout("warn", "Stage 2 could not measure: no live run completed.", [f"• {r}" for r in v.reasons[:5]])
     reasons = Counter(t.reason or "no reason recorded" for t in data.trials if t.state == "FAIL")
     return Callout("warn", "No trial completed: every configuration failed to run.",
                    [f"• {count}× {reason}" for reason, count in reasons.most_common(5)])
-
-
-def _near_ties(data: ReportData, rec: Candidate) -> list[str]:
-    """Say so when the choice barely matters: ops may then prefer the config closest to what they run."""
-    best = rec.measured
-    pool = data.live if data.verdict.stage == "live" else [t for t in data.trials if t.duplicate_of is None]
-    close = [m for m in pool if m.feasible and m is not best and m.value is not None and best.value
-             and m.value >= best.value * (1 - NEAR_TIE)]
-    if not close:
-        return []
-    text = (f"{len(close)} other config{'s' if len(close) > 1 else ''} scored within {NEAR_TIE * 100:.0f} % of it: "
-            "on this workload these knobs matter little, so any of them (see section 2) is as good.")
-    if any(m.params == data.default.params for m in close):
-        text += " vLLM's default is one of them: changing the config gains little here."
-    return [text]
 
 
 def _why(diagnoses: list[Diagnosis], overload: str | None) -> list[str]:
@@ -127,14 +128,24 @@ def _overload(data: ReportData, closest: Candidate) -> str | None:
             "of these knobs fixes that alone: add GPUs or replicas, use a larger GPU, or lower the request rate.")
 
 
-def _headline_figures(data: ReportData, m: Measurement | None) -> str:
+def _headline_figures(data: ReportData, c: Candidate) -> str:
+    m = c.measured
     if m is None:
         return "It has no measurement."
+    spread = c.spread if m.stage == "live" else {}
     parts = [f"capacity {value_text(data.info, m.value)} the trace's rate"] if data.info.objective == "capacity" else []
-    parts += [f"goodput {fmt.rps(m.goodput_rps)}", f"throughput {fmt.rps(m.throughput_rps)}"]
-    parts += [f"{metric_label(s.name)} {fmt.ms(m.observed.get(s.name))} (limit {fmt.ms(s.threshold_s)})"
-              for s in data.info.slos]
-    return f"Measured ({'live server' if m.stage == 'live' else 'simulator'}): " + ", ".join(parts) + "."
+    parts += [f"goodput {_with_spread(m.goodput_rps, spread.get('goodput_rps'), fmt.rps)}",
+              f"throughput {_with_spread(m.throughput_rps, spread.get('throughput_rps'), fmt.rps)}"]
+    parts += [f"{metric_label(s.name)} {_with_spread(m.observed.get(s.name), spread.get(s.name), fmt.ms)} "
+              f"(limit {fmt.ms(s.threshold_s)})" for s in data.info.slos]
+    runs = f", mean of {m.repeat} runs [95 % interval]" if m.stage == "live" else ""
+    return f"Measured on {m.measured_on or m.target}{runs}: " + ", ".join(parts) + "."
+
+
+def _with_spread(value, iv, show) -> str:
+    if iv is None or iv.n < 2 or iv.lo == iv.hi:
+        return show(value)
+    return f"{show(iv.mean)} [{show(iv.lo)}, {show(iv.hi)}]"
 
 
 def _same_stage(data: ReportData, head: Candidate) -> tuple[Measurement | None, Measurement | None, str]:
@@ -154,17 +165,19 @@ def _versus_default(data: ReportData, head: Candidate) -> list[Block]:
     mine, theirs, stage = _same_stage(data, head)
     if mine is None:
         return []
-    title = Heading(f"{head.label} vs vLLM's default config ({'live server' if stage == 'live' else 'simulator'})", 3)
+    title = Heading(f"{head.label} vs the target's default config (measured on {mine.measured_on or stage})", 3)
     if theirs is None:
-        return [title, Paragraph("vLLM's default config was not measured in this study, so there is nothing to "
+        return [title, Paragraph("The default config was not measured in this study, so there is nothing to "
                                  "compare against.")]
     rows = []
+    live = stage == "live"
     for label, key, show in COMPARED:
         new, old = _figure(mine, key), _figure(theirs, key)
-        rows.append([label, show(new), show(old), _change(key, new, old)])
+        rows.append([label, _with_spread(new, head.spread.get(key) if live else None, show),
+                     _with_spread(old, data.default.spread.get(key) if live else None, show), _change(key, new, old)])
     rows.append(["meets the SLOs", "yes" if mine.feasible else "no", "yes" if theirs.feasible else "no", ""])
     return [title, Paragraph("Default: " + params_text(data.default.params) + "."),
-            Table(["", head.label, "vLLM default", "change"], rows, numeric=[False, True, True, True])]
+            Table(["", head.label, "default", "change"], rows, numeric=[False, True, True, True])]
 
 
 def _figure(m: Measurement, key: str):
@@ -185,7 +198,8 @@ def _change(key: str, new, old) -> str:
 
 def _commands(data: ReportData, head: Candidate, commands: list[LaunchCommand],
               served_model: str | None) -> list[Block]:
-    which = "recommended" if data.verdict.recommended is not None else "closest"
+    which = ("recommended" if data.verdict.recommended is not None else
+             "closest" if data.verdict.closest is not None else "best measured, not recommended")
     blocks: list[Block] = [Heading(f"Launch commands ({which} config)", 3),
                            Paragraph("Each command starts a server with exactly the knobs measured above "
                                      "(including the limits that were fixed during the search).")]

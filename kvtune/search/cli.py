@@ -8,6 +8,7 @@ import time
 from kvengine.config import EngineConfig, device_preset, model_preset
 
 from ..calibrate import get_profile
+from ..environment import host_environment
 from ..store import Store, add_db_argument, resolve_db_url
 from ..targets import SimTarget
 from ..targets.build import add_server_flags, live_target
@@ -16,7 +17,9 @@ from ..workload.cli import positive_float, positive_int
 from .objective import OBJECTIVES, Objective
 from .slo import parse_slo
 from .space import SearchSpace, load_space
-from .stage2 import DEFAULT_NUMBER, Candidate, default_params, representable, run_stage2
+from ..targets import TargetRunError, TargetStartError
+from .ranking import describe
+from .stage2 import DEFAULT_NUMBER, Candidate, LivePlan, default_params, representable, run_stage2
 from .study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
 
 LIVE_TARGETS = ("engine", "vllm", "sglang", "none")
@@ -61,6 +64,12 @@ def add_search_command(sub) -> None:
                    help="the engine target's executor: sim serves the same simulated device in wall-clock "
                         "time (default: %(default)s)")
     g.add_argument("--live-head", type=positive_int, metavar="N", help="stage 2 replays only the first N requests")
+    g.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs of every live config, interleaved, before a verdict (default: %(default)s)")
+    g.add_argument("--max-repeats", type=positive_int, default=5,
+                   help="while the leader and the default still overlap, run up to this many (default: %(default)s)")
+    g.add_argument("--live-budget", type=positive_int, metavar="RUNS",
+                   help="most live runs in all, the default's included (default: no cap)")
     add_server_flags(p)
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
@@ -116,13 +125,22 @@ def cmd_search(args) -> int:
     name = _study_name(args)
     attrs = {"workload": args.workload, "preset": args.preset, "device": args.device, "profile": args.profile,
              "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
-             "latency": args.latency}
+             "latency": args.latency, "live_requests": args.live_head}
     study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
     stage1 = Stage1(study, space, sim_base, objective, sim.run, workload, store, args.trials)
     dflt = default_params(space, default)
     study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
+    study.set_user_attr("environment", host_environment())  # where this search ran, for the report
     if representable(space, dflt):
         stage1.enqueue(dflt)
+    if live is not None:
+        print(f"checking the {args.target} target: starting it with its default config")
+        try:
+            live.check(space.config(dflt, base))
+        except (TargetStartError, TargetRunError) as err:
+            print(f"error: the {args.target} target does not serve, so stage 2 could not measure; fix this "
+                  f"before a search (nothing was searched):\n{err}", file=sys.stderr)
+            return 2
     print(f"study {name!r} in {store.display_url}: {args.trials} stage-1 trials of {args.preset} on "
           f"{args.device}, objective {objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
     with _progress(args.trials) as on_trial:
@@ -135,7 +153,6 @@ def cmd_search(args) -> int:
     feasible = [t for t in ranked if is_feasible(t)]
     if slos and not feasible:
         print(_nothing_feasible(ranked[0], slos))
-    outcomes = []
     if args.target != "none":
         candidates = [Candidate("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                       for t in ranked[:args.top_k]]
@@ -143,25 +160,46 @@ def cmd_search(args) -> int:
             dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
             candidates.append(Candidate("default", dnum, dflt))
         live_workload = head(workload, args.live_head) if args.live_head else workload
-        print(f"stage 2: {len(candidates)} configs on the {args.target} target "
-              f"({len(live_workload)} requests over {live_workload.duration_s:.0f} s each)")
-        outcomes = run_stage2(live.run, candidates, space, base, live_workload, objective, store, name,
-                              on_result=lambda o: print(f"  {o.candidate.label}: " + (
-                                  f"failed: {o.error}" if o.error else _score_text(o.score))))
-    print(_final_table(ranked[:max(args.top_k, 1)], ranked, outcomes, objective))
+        plan = LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget)
+        print(f"stage 2: {len(candidates)} configs on the {args.target} target, {plan.repeats}-{plan.max_repeats} "
+              f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
+        run_stage2(live.run, candidates, space, base, live_workload, objective, store, name, plan,
+                   on_result=lambda o: print(f"  {o.candidate.label} #{o.repeat}: " + (
+                       f"failed: {o.error}" if o.error else _score_text(o.score))))
+        for note in plan.notes:
+            print(f"note: {note}")
+    from ..report.data import load_report_data  # the report's verdict is the one printed here
+    data = load_report_data(db_url, name)
+    shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
+    if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
+        data = load_report_data(db_url, name)
+    print(_final_table(data, objective))
+    print(describe(data.verdict))
     report = None
     if not args.no_report:
         from ..report import write_report
         md, html = write_report(db_url, name, args.report_dir or f"reports/{name}")
         report = str(md)
         print(f"report: {md} and {html}")
+    v = data.verdict
     if args.json:
-        best = ranked[0]
-        print(json.dumps({"study": name, "feasible": bool(feasible), "best_trial": best.number,
-                          "best_params": best.params, "best_values": best.values, "report": report,
-                          "live": [{"label": o.candidate.label, "values": o.values, "error": o.error,
-                                    "feasible": o.score.feasible if o.score else None} for o in outcomes]}))
-    return 0
+        rec = v.recommended
+        print(json.dumps({"study": name, "feasible": bool(feasible), "verdict": v.kind, "stage": v.stage,
+                          "reasons": v.reasons, "recommended": rec.params if rec else None,
+                          "recommended_label": rec.label if rec else None,
+                          "leader": v.leader.params if v.leader else None,
+                          "best_trial": ranked[0].number, "best_params": ranked[0].params,
+                          "best_values": ranked[0].values, "report": report,
+                          "live": [_live_json(c) for c in data.candidates if c.runs],
+                          "live_runs": sum(len(c.runs) for c in data.candidates)}))
+    return 3 if live is not None and not v.measured else 0  # the live stage could not measure
+
+
+def _live_json(c) -> dict:
+    spread = {k: {"mean": iv.mean, "lo": iv.lo, "hi": iv.hi, "n": iv.n} for k, iv in c.spread.items()}
+    return {"label": c.label, "params": c.params, "is_default": c.is_default, "runs": len(c.runs),
+            "completed": sum(m.ok for m in c.runs), "errors": [m.reason for m in c.runs if m.reason],
+            "feasible": c.live.feasible if c.live else None, "spread": spread}
 
 
 class _progress:
@@ -230,26 +268,24 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in params.items())
 
 
-def _final_table(top, ranked, outcomes, objective: Objective) -> str:
-    live = {o.candidate.number: o for o in outcomes}
+def _final_table(data, objective: Objective) -> str:
+    """The compared configs, best first, the default last: stage 1's value and the live runs'
+    mean with its interval (n runs)."""
     unit = "" if objective.kind == "capacity" else " req/s"
-    lines = [f"{'trial':>6}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>5}  {'sim value':>12}  {'live value':>12}  feasible"]
-    rows = [(t.number, t.params, t.values[0], is_feasible(t)) for t in top]
-    by_number = {t.number: t for t in ranked}
-    for o in outcomes:
-        if o.candidate.label == "default" and o.candidate.number not in {t.number for t in top}:
-            trial = by_number.get(o.candidate.number)
-            rows.append((o.candidate.number, o.candidate.params, trial.values[0] if trial else None,
-                         is_feasible(trial) if trial else None))
-    for number, params, sim_value, feasible in rows:
-        o = live.get(number)
-        live_value = "-" if o is None else ("failed" if o.error else f"{o.values[0]:.2f}{unit}")
-        feas = feasible if o is None or o.score is None else o.score.feasible
-        label = "default" if o is not None and o.candidate.label == "default" else str(number)
-        util = params.get("gpu_memory_utilization")
-        lines.append(f"{label:>6}  {params.get('block_size', '-'):>5} {'-' if util is None else f'{util:.2f}':>5} "
-                     f"{params.get('max_num_seqs', '-'):>5} {params.get('kv_cache_dtype', '-'):>5}  "
-                     f"{'-' if sim_value is None else f'{sim_value:.2f}{unit}':>12}  {live_value:>12}  "
-                     f"{'-' if feas is None else ('yes' if feas else 'no')}")
+    lines = [f"{'config':>10}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>9}  {'sim value':>12}  "
+             f"{'live mean [95% interval] (runs)':>34}  feasible"]
+    for c in data.candidates:
+        p = c.params
+        util = p.get("gpu_memory_utilization")
+        sim = "-" if c.sim is None or not c.sim.ok else f"{c.sim.value:.2f}{unit}"
+        iv = c.spread.get("value")
+        if iv is not None:
+            live = f"{iv.mean:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]{unit} ({iv.n})"
+        else:
+            live = "failed" if c.runs else "-"
+        m = c.measured
+        feas = "-" if m is None or not m.ok else ("yes" if m.feasible else "no")
+        label = "default" if c.is_default else c.label.replace("trial ", "")
+        lines.append(f"{label:>10}  {p.get('block_size', '-'):>5} {'-' if util is None else f'{util:.2f}':>5} "
+                     f"{p.get('max_num_seqs', '-'):>5} {p.get('kv_cache_dtype', '-'):>9}  {sim:>12}  {live:>34}  {feas}")
     return "\n".join(lines)
-

@@ -1,24 +1,72 @@
-"""Which config the report recommends, and when none meets the SLOs, which one comes closest.
+"""The one ranking: which config wins, by how much, and whether the evidence says so.
 
-Stage 2 (a live server) outranks stage 1 (the simulator) whenever it completed
-a run: the report recommends what the real server confirmed.
+`search --json`, the report and the UI all take their verdict from `choose`.
+
+Stage 2 (the live target) decides whenever it completed a run. Each live config
+runs several times; a config beats the target's default only when its mean is
+better beyond the spread of both (bootstrap intervals of the mean). Otherwise the
+verdict is "keep the default", or, when the default itself misses the SLOs, the
+config among those tied at the top that changes the fewest flags. Runs whose own
+evidence is doubtful (client and server disagree, the load generator fell behind,
+the host was saturated, requests failed) make the verdict inconclusive. Stage 1
+alone (no live stage) is deterministic: configs within SIM_TIE of the best are
+tied, and the same tie rule applies.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from ..search.slo import SLO
+import numpy as np
+
+from .slo import SLO
 
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
 TOP_SIM_CANDIDATES = 5  # configs compared when no stage 2 ran
+SIM_TIE = 0.02  # stage-1 values this close to the best are one result: the model is not that exact
+LEVEL = 0.95  # the intervals' confidence
+RESAMPLES = 2000
+
+# what a verdict can be
+BETTER = "better"  # the recommended config beats the default beyond the spread
+KEEP_DEFAULT = "keep_default"  # nothing beats the default beyond the spread
+SMALLEST_CHANGE = "smallest_change"  # the default misses the SLOs; several configs tie: the least change
+INCONCLUSIVE = "inconclusive"  # the evidence cannot be trusted (reasons say why)
+INFEASIBLE = "infeasible"  # nothing met the SLOs
+FAILED = "failed"  # nothing completed (on the stage that was to decide)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over repeats and its bootstrap interval (lo == hi == mean for one value)."""
+    mean: float
+    lo: float
+    hi: float
+    n: int
+
+    def overlaps(self, other: Interval) -> bool:
+        return self.lo <= other.hi and other.lo <= self.hi
+
+
+def interval(values: list[float], seed: int = 0) -> Interval | None:
+    xs = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if xs.size == 0:
+        return None
+    mean = float(xs.mean())
+    if xs.size == 1:
+        return Interval(mean, mean, mean, 1)
+    rng = np.random.default_rng(seed)
+    means = xs[rng.integers(0, xs.size, size=(RESAMPLES, xs.size))].mean(axis=1)
+    tail = (1 - LEVEL) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return Interval(mean, float(lo), float(hi), int(xs.size))
 
 
 @dataclass
 class Measurement:
-    """One config measured once: a stage-1 trial (sim) or a stage-2 re-run (live)."""
+    """One config measured once: a stage-1 trial (sim) or one stage-2 run (live)."""
     stage: str  # sim | live
-    number: int  # the trial number; -1 for vLLM's default when stage 1 never ran it
+    number: int  # the trial number; -1 for the target's default when stage 1 never ran it
     params: dict
     state: str  # COMPLETE | FAIL | RUNNING | ...
     values: list[float] | None = None
@@ -32,6 +80,9 @@ class Measurement:
     observed: dict[str, float | None] = field(default_factory=dict)  # SLO name -> seconds
     summary: dict = field(default_factory=dict)  # the run's figures: ttft_p95, tpot_p95, ...
     target: str | None = None  # what ran it: sim, engine, vllm, sglang
+    measured_on: str | None = None  # in words: "the simulator", "vLLM 0.32.0 (cpu)", ...
+    repeat: int = 1  # which run of this config (live)
+    doubts: list[str] = field(default_factory=list)  # why this run's figures may not be trusted
 
     @property
     def ok(self) -> bool:
@@ -52,12 +103,14 @@ class Measurement:
 
 @dataclass
 class Candidate:
-    """A config, with its stage-1 and stage-2 measurements where they exist."""
+    """A config, with its stage-1 measurement and its stage-2 runs where they exist."""
     label: str  # "trial 7" or "vLLM default"
     params: dict
     sim: Measurement | None = None
-    live: Measurement | None = None
+    live: Measurement | None = None  # the live runs' means (what tables show), or the failed run
     is_default: bool = False
+    runs: list[Measurement] = field(default_factory=list)  # every live run of this config
+    spread: dict[str, Interval] = field(default_factory=dict)  # value, goodput_rps, an SLO's name... -> interval
 
     @property
     def measured(self) -> Measurement | None:
@@ -66,6 +119,9 @@ class Candidate:
             if m is not None and m.ok:
                 return m
         return self.live or self.sim
+
+    def changes_from(self, default: dict) -> int:
+        return sum(self.params.get(k) != v for k, v in default.items())
 
 
 @dataclass
@@ -84,10 +140,19 @@ class Miss:
 @dataclass
 class Verdict:
     stage: str | None  # the stage whose numbers decided: live, sim, or None when nothing completed
-    recommended: Candidate | None
+    recommended: Candidate | None  # what to run (the default itself when nothing beats it)
     closest: Candidate | None  # only when nothing met the SLOs
     misses: list[Miss] = field(default_factory=list)  # the closest one's
     feasible_elsewhere: list[int] = field(default_factory=list)  # sim trials that met the SLOs when live did not
+    kind: str = FAILED  # BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, INCONCLUSIVE, INFEASIBLE, FAILED
+    reasons: list[str] = field(default_factory=list)  # the evidence for the verdict, or against trusting it
+    leader: Candidate | None = None  # the best by the objective's mean (before the tie rule)
+    tied: list[Candidate] = field(default_factory=list)  # configs indistinguishable from the leader
+
+    @property
+    def measured(self) -> bool:
+        """Whether the deciding stage measured anything."""
+        return self.kind != FAILED
 
 
 def misses(m: Measurement, slos: list[SLO]) -> list[Miss]:
@@ -119,39 +184,178 @@ def rank_key(m: Measurement, slos: list[SLO]):
     return (1, miss_score(m, slos), m.number)
 
 
+# ---------------------------------------------------------------- repeats -> one config's figures
+
+SPREAD_KEYS = ("goodput_rps", "throughput_rps")
+SUMMARY_MEANS = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95", "e2e_p95",
+                 "prefix_hit_rate", "kv_usage_peak", "preemptions")
+
+
+def combine(runs: list[Measurement], slos: list[SLO]) -> tuple[Measurement, dict[str, Interval]]:
+    """A config's live runs as one measurement (the means) and the intervals around them."""
+    done = [m for m in runs if m.ok]
+    if not done:
+        return runs[-1], {}
+    spread = {"value": interval([m.value for m in done])}
+    for key in SPREAD_KEYS:
+        spread[key] = interval([getattr(m, key) for m in done])
+    for slo in slos:
+        spread[slo.name] = interval([m.observed.get(slo.name) for m in done])
+    for key in ("ttft_p95", "tpot_p95", "e2e_p95"):
+        spread.setdefault(key, interval([m.summary.get(key) for m in done]))
+    mid = sorted(done, key=lambda m: m.value)[(len(done) - 1) // 2]  # the median run: the one plotted
+    values = [float(np.mean([m.values[i] for m in done])) for i in range(len(done[0].values))]
+    observed = {slo.name: _mean_or_none(spread[slo.name]) for slo in slos}
+    constraints = {slo.name: (observed[slo.name] - slo.threshold_s) if observed[slo.name] is not None else 1e9
+                   for slo in slos}
+    failed = float(np.mean([m.failed_requests for m in done]))
+    if failed:
+        constraints[FAILED_REQUESTS] = failed
+    summary = {k: _mean([m.summary.get(k) for m in done]) for k in SUMMARY_MEANS}
+    doubts = list(dict.fromkeys(d for m in runs for d in m.doubts))
+    merged = Measurement(stage="live", number=mid.number, params=dict(mid.params), state="COMPLETE", values=values,
+                         constraints=constraints, run_id=mid.run_id, goodput_rps=_mean_or_none(spread["goodput_rps"]),
+                         throughput_rps=_mean_or_none(spread["throughput_rps"]), observed=observed, summary=summary,
+                         target=mid.target, measured_on=mid.measured_on, repeat=len(done), doubts=doubts)
+    return merged, {k: v for k, v in spread.items() if v is not None}
+
+
+def _mean(values) -> float | None:
+    xs = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return float(np.mean(xs)) if xs else None
+
+
+def _mean_or_none(iv: Interval | None) -> float | None:
+    return None if iv is None else iv.mean
+
+
+def separated(a: Candidate, b: Candidate, slos: list[SLO]) -> str | None:
+    """Why `a` beats `b` beyond the spread of both, or None: its objective's interval lies above
+    b's, or it meets an SLO in every run that b misses in every run."""
+    va, vb = a.spread.get("value"), b.spread.get("value")
+    if va is None or vb is None or va.n < 2 or vb.n < 2:
+        return None
+    if va.lo > vb.hi:
+        return f"its mean {va.mean:.3g} [{va.lo:.3g}, {va.hi:.3g}] is above the other's {vb.mean:.3g} [{vb.lo:.3g}, {vb.hi:.3g}]"
+    for slo in slos:
+        sa, sb = a.spread.get(slo.name), b.spread.get(slo.name)
+        if sa is not None and sb is not None and sa.hi <= slo.threshold_s < sb.lo:
+            if all(m.observed.get(slo.name) is not None and m.observed[slo.name] <= slo.threshold_s
+                   for m in a.runs if m.ok):
+                return (f"it meets {slo.name} <= {slo.threshold_s * 1000:g} ms in every run "
+                        f"({sa.mean * 1000:.0f} ms [{sa.lo * 1000:.0f}, {sa.hi * 1000:.0f}]) and the other "
+                        f"misses it ({sb.mean * 1000:.0f} ms [{sb.lo * 1000:.0f}, {sb.hi * 1000:.0f}])")
+    return None
+
+
+# ---------------------------------------------------------------- the verdict
+
 def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
            default_params: dict | None) -> tuple[Verdict, list[Candidate], Candidate]:
     """The verdict, the configs to compare across stages (best first, the default last), and the default."""
     sim_done = [t for t in trials if t.ok and t.duplicate_of is None]
-    live_done = [m for m in live if m.ok]
-    pair = _pairing(sim_done, live, default_params)
-    stage, pool = ("live", live_done) if live_done else ("sim", sim_done) if sim_done else (None, [])
-    ranked = sorted(pool, key=lambda m: rank_key(m, slos))
-    verdict = Verdict(stage, None, None)
-    if ranked and ranked[0].feasible:
-        verdict.recommended = pair(ranked[0].params)
-    elif ranked:
-        verdict.closest = pair(ranked[0].params)
-        verdict.misses = misses(ranked[0], slos)
-        if stage == "live":
-            verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
-    default = pair(default_params) if default_params is not None else Candidate("vLLM default", {}, is_default=True)
+    pair = _pairing(sim_done, live, default_params, slos)
+    default = pair(default_params) if default_params is not None else Candidate("the default", {}, is_default=True)
     if live:
-        shown = sorted(live, key=lambda m: rank_key(m, slos))
+        verdict, shown = _live_verdict(live, pair, default, slos, sim_done)
     else:
-        shown = sorted(sim_done, key=lambda m: rank_key(m, slos))[:TOP_SIM_CANDIDATES]
-    candidates = [c for c in (pair(m.params) for m in shown) if not c.is_default]
+        verdict, shown = _sim_verdict(sim_done, pair, default, slos)
+    candidates = [c for c in shown if not c.is_default]
     return verdict, _unique(candidates) + [default], default
 
 
-def _pairing(sim_done: list[Measurement], live: list[Measurement], default_params: dict | None):
+def _live_verdict(live, pair, default, slos, sim_done):
+    configs = _unique([pair(m.params) for m in live])
+    done = [c for c in configs if c.live is not None and c.live.ok]
+    shown = sorted(configs, key=lambda c: (c.live is None or not c.live.ok,
+                                           rank_key(c.live, slos) if c.live is not None and c.live.ok else 0))
+    if not done:
+        reasons = list(dict.fromkeys(f"{c.label}: {m.reason}" for c in configs for m in c.runs if m.reason))
+        return Verdict("live", None, None, kind=FAILED, reasons=reasons or ["no live run completed"]), shown
+    verdict = _decide("live", [c for c in shown if c in done], default, slos, lambda a, b: separated(a, b, slos))
+    if verdict.kind == INFEASIBLE:
+        verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
+    doubts = _doubts(verdict, default)
+    if doubts and verdict.kind in (BETTER, KEEP_DEFAULT, SMALLEST_CHANGE):
+        # the evidence cannot carry a change of flags: nothing is recommended, the leader is shown
+        verdict.kind, verdict.reasons, verdict.recommended = INCONCLUSIVE, doubts, None
+    elif doubts:
+        verdict.reasons += doubts
+    return verdict, shown
+
+
+def _sim_verdict(sim_done, pair, default, slos):
+    ranked = sorted(sim_done, key=lambda m: rank_key(m, slos))
+    shown = [pair(m.params) for m in ranked[:TOP_SIM_CANDIDATES]]
+    if not ranked:
+        return Verdict(None, None, None, kind=FAILED, reasons=["no stage-1 trial completed"]), shown
+
+    def beyond_tie(a: Candidate, b: Candidate) -> str | None:
+        if a.sim is None or b.sim is None:
+            return None
+        if a.sim.feasible and not b.sim.feasible:
+            return "the other misses the SLOs on the simulator"
+        va, vb = a.sim.value, b.sim.value
+        if va is not None and vb is not None and va > vb * (1 + SIM_TIE) + 1e-12:
+            return f"{va:.3g} vs {vb:.3g} on the simulator, more than {SIM_TIE:.0%} apart"
+        return None
+
+    ordered = [pair(m.params) for m in ranked]
+    return _decide("sim", ordered, default, slos, beyond_tie), shown
+
+
+def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list[SLO], beats) -> Verdict:
+    """The tie rule, on configs best first (by their measurement on `stage`)."""
+    def on(c):
+        return c.live if stage == "live" else c.sim
+
+    leader = ordered[0]
+    if not on(leader).feasible:
+        return Verdict(stage, None, leader, misses(on(leader), slos), kind=INFEASIBLE, leader=leader,
+                       reasons=["no config met every SLO"])
+    tied = [c for c in ordered if on(c).feasible and beats(leader, c) is None]
+    default_in = next((c for c in ordered if c.is_default), None)
+    if default_in is not None and default_in in tied:
+        reasons = ["no config beats the default beyond the spread of its runs" if stage == "live" else
+                   f"no config beats the default by more than {SIM_TIE:.0%} on the simulator"]
+        return Verdict(stage, default_in, None, kind=KEEP_DEFAULT, reasons=reasons, leader=leader, tied=tied)
+    pick = min(tied, key=lambda c: (c.changes_from(default.params), -(on(c).value or 0.0)))
+    if default_in is None or not on(default_in).ok:
+        why = "the default did not complete a run" if stage == "live" else "the default was not measured"
+        return Verdict(stage, pick, None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
+    reason = beats(pick, default_in)
+    if reason is not None:
+        return Verdict(stage, pick, None, kind=BETTER, reasons=[f"{pick.label} beats the default: {reason}"],
+                       leader=leader, tied=tied)
+    # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
+    return Verdict(stage, pick, None, kind=SMALLEST_CHANGE, leader=leader, tied=tied,
+                   reasons=["the default misses the SLOs on average, but no config beats it beyond the spread; "
+                            f"{pick.label} is the smallest change among the {len(tied)} tied at the top"])
+
+
+def _doubts(verdict: Verdict, default: Candidate) -> list[str]:
+    """Doubts of the runs that decided: the recommended config's, the leader's and the default's."""
+    seen = []
+    for c in (verdict.recommended, verdict.leader, default):
+        if c is None:
+            continue
+        for m in c.runs:
+            for d in m.doubts:
+                line = f"{c.label}, run {m.repeat}: {d}"
+                if line not in seen:
+                    seen.append(line)
+    return seen
+
+
+def _pairing(sim_done: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO]):
     def pair(params: dict) -> Candidate:
         sim = next((t for t in sim_done if t.params == params), None)
-        again = next((m for m in live if m.params == params), None)
+        runs = sorted((m for m in live if m.params == params), key=lambda m: m.repeat)
         is_default = default_params is not None and params == default_params
-        number = sim.number if sim is not None else again.number if again is not None else None
-        label = "vLLM default" if is_default else f"trial {number}"
-        return Candidate(label, dict(params), sim, again, is_default)
+        number = sim.number if sim is not None else runs[0].number if runs else None
+        label = "the default" if is_default else f"trial {number}"
+        merged, spread = combine(runs, slos) if runs else (None, {})
+        return Candidate(label, dict(params), sim, merged, is_default, runs, spread)
     return pair
 
 
@@ -162,3 +366,34 @@ def _unique(candidates: list[Candidate]) -> list[Candidate]:
             seen.append(c.params)
             out.append(c)
     return out
+
+
+def describe(verdict: Verdict) -> str:
+    """The verdict in one paragraph, as the terminal, the report and the UI print it."""
+    place = where(verdict)
+    rec, reasons = verdict.recommended, "; ".join(verdict.reasons)
+    if verdict.kind == BETTER:
+        return f"Verdict ({place}): change to {rec.label}. {reasons}."
+    if verdict.kind == KEEP_DEFAULT:
+        return f"Verdict ({place}): no significant difference: keep the default. {reasons}."
+    if verdict.kind == SMALLEST_CHANGE:
+        return f"Verdict ({place}): change to {rec.label}. {reasons}."
+    if verdict.kind == INCONCLUSIVE:
+        lead = f" ({verdict.leader.label} measured best)" if verdict.leader else ""
+        return (f"Verdict ({place}): inconclusive{lead}: keep what you run; these runs cannot carry a change of "
+                f"flags: {reasons}.")
+    if verdict.kind == INFEASIBLE:
+        closest = verdict.closest.label if verdict.closest else "none"
+        return f"Verdict ({place}): no config met every SLO; the closest is {closest}."
+    return f"Verdict: nothing could be measured ({place}): {reasons}."
+
+
+def where(verdict: Verdict) -> str:
+    if verdict.stage == "sim":
+        return "on the simulator only, not confirmed on a server"
+    head = verdict.recommended or verdict.leader or verdict.closest
+    m = head.live if head is not None else None
+    if m is None:
+        return "live stage"
+    runs = m.repeat
+    return f"measured on {m.measured_on or m.target}, {runs} run{'s' if runs != 1 else ''} of each config"

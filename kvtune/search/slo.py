@@ -9,9 +9,11 @@ request's own gaps at the SLO's percentile.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+
+from ..diagnose import Thresholds
 
 from ..results import RequestRecord, RunResult
 
@@ -98,6 +100,12 @@ def score(result: RunResult, slos: list[SLO]) -> Score:
     return Score(goodput_rps=len(good) * rate, throughput_rps=len(ok) * rate,
                  output_tok_s=sum(r.output_tokens for r in ok) * rate, completed=len(ok),
                  requests=len(result.requests), good=len(good), observed=observed, violations=violations)
+
+
+def diagnosis_thresholds(slos: list[SLO]) -> Thresholds:
+    """The fault rules' TTFT limit is the study's own TTFT p95 SLO where it has one."""
+    ttft = next((s for s in slos if s.name == "ttft_p95"), None)
+    return replace(Thresholds(), ttft_p95_slo_s=ttft.threshold_s) if ttft else Thresholds()
 
 
 def _meets(slo: SLO, rec: RequestRecord) -> bool:

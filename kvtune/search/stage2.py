@@ -1,17 +1,27 @@
-"""Stage 2: re-run the best stage-1 configs, and vLLM's default, on a live target."""
+"""Stage 2: the best stage-1 configs and the target's own default, each run several times on a
+live target, interleaved (A B C A B C ...) so that drift of the host hits every config alike.
+
+Every run is stored with what it scored, its SLO verdicts, the doubts about its own evidence
+and its diagnoses: the report and the UI read them, they never re-score or re-diagnose.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvengine.config import EngineConfig
 
+from ..diagnose import diagnose
+from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .objective import Objective
-from .slo import Score
+from .ranking import BETTER, FAILED, INFEASIBLE, Measurement, choose, combine
+from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
+from .validity import measured_on, run_doubts
 
-DEFAULT_NUMBER = -1  # the trials table's number for vLLM's default config when stage 1 never ran it
+DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
+LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
 
 
 @dataclass
@@ -22,16 +32,40 @@ class Candidate:
 
 
 @dataclass
+class LivePlan:
+    repeats: int = 3  # runs of every config before a verdict
+    max_repeats: int = 5  # while the intervals still overlap, up to this many
+    budget: int | None = None  # most live runs in all (the default's included)
+    notes: list[str] = field(default_factory=list)
+
+    def fit(self, candidates: list[Candidate]) -> list[Candidate]:
+        """The candidates the budget allows at `repeats` runs each (the default always stays)."""
+        if self.budget is None:
+            return candidates
+        keep = list(candidates)
+        while len(keep) > 2 and len(keep) * self.repeats > self.budget:
+            drop = next(c for c in reversed(keep) if c.label != "default")
+            keep.remove(drop)
+            self.notes.append(f"the live budget ({self.budget} runs) leaves out {drop.label}")
+        if len(keep) * self.repeats > self.budget:
+            self.repeats = max(1, self.budget // len(keep))
+            self.notes.append(f"the live budget ({self.budget} runs) allows {self.repeats} run(s) per config")
+        return keep
+
+
+@dataclass
 class LiveOutcome:
     candidate: Candidate
+    repeat: int
     values: list[float] | None = None
     score: Score | None = None
     run_id: int | None = None
     error: str | None = None
+    measurement: Measurement | None = None
 
 
 def default_params(space: SearchSpace, default: EngineConfig) -> dict:
-    """vLLM's default config, in the space's knobs."""
+    """The target's default config, in the space's knobs."""
     return {name: getattr(default, name) for name in space.names}
 
 
@@ -47,21 +81,78 @@ def representable(space: SearchSpace, params: dict) -> bool:
 
 
 def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: EngineConfig, workload,
-               objective: Objective, store: Store, study: str, on_result=None) -> list[LiveOutcome]:
-    outcomes = []
-    for cand in candidates:
-        config = space.config(cand.params, base)
-        outcome = LiveOutcome(cand)
-        try:
-            outcome.values, outcome.score, result = objective.evaluate(run, config, workload)
-        except (TargetStartError, TargetRunError) as err:
-            outcome.error = str(err)
-            store.save_trial(study, cand.number, "live", "FAIL", cand.params, reason=outcome.error)
-        else:
-            outcome.run_id = store.save_run(result, study=study, trial=cand.number, label=f"live {cand.label}")
-            store.save_trial(study, cand.number, "live", "COMPLETE", cand.params, values=outcome.values,
-                             constraints=outcome.score.violations, run_id=outcome.run_id)
-        outcomes.append(outcome)
-        if on_result:
-            on_result(outcome)
+               objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
+               on_result=None) -> list[LiveOutcome]:
+    plan = plan or LivePlan()
+    candidates = plan.fit(candidates)
+    dflt = next((c.params for c in candidates if c.label == "default"), None)
+    outcomes: list[LiveOutcome] = []
+    active, spent = list(candidates), 0
+    for repeat in range(1, plan.max_repeats + 1):
+        for cand in active:
+            if plan.budget is not None and spent >= plan.budget:
+                return outcomes
+            outcome = _run_once(run, cand, repeat, space.config(cand.params, base), workload, objective, store, study)
+            outcomes.append(outcome)
+            spent += 1
+            _save_config_row(store, study, cand, [o for o in outcomes if o.candidate is cand], objective)
+            if on_result:
+                on_result(outcome)
+        failed = {id(o.candidate) for o in outcomes if o.error and o.repeat == 1}
+        active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
+        if repeat < plan.repeats:
+            continue
+        verdict, _, _ = choose([], [o.measurement for o in outcomes], list(objective.slos), dflt)
+        if verdict.kind in (BETTER, INFEASIBLE, FAILED) or not active:
+            break
+        still = {id(c) for c in active if c.params == dflt or any(t.params == c.params for t in verdict.tied)}
+        active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
     return outcomes
+
+
+def _run_once(run, cand: Candidate, repeat: int, config: EngineConfig, workload, objective: Objective,
+              store: Store, study: str) -> LiveOutcome:
+    outcome = LiveOutcome(cand, repeat)
+    label = f"{LIVE_LABEL} {cand.label} #{repeat}"
+    try:
+        outcome.values, outcome.score, result = objective.evaluate(run, config, workload)
+    except (TargetStartError, TargetRunError) as err:
+        outcome.error = str(err)
+        outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=label,
+                                         study=study, trial=cand.number)
+        store.mark_run(outcome.run_id, "failed", outcome.error)
+        outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
+                                          reason=outcome.error, repeat=repeat)
+        return outcome
+    result.summary["score"] = outcome.score.as_dict() | {"values": outcome.values}
+    result.summary["doubts"] = run_doubts(result, outcome.score)
+    result.summary["repeat"] = repeat
+    outcome.run_id = store.save_run(result, study=study, trial=cand.number, label=label)
+    store.save_diagnoses(outcome.run_id, diagnose(result, diagnosis_thresholds(list(objective.slos))))
+    outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
+    return outcome
+
+
+def live_measurement(number: int, params: dict, run_id: int, result: RunResult) -> Measurement:
+    """One stored live run as the ranking reads it (what stage 2 scored, not scored again)."""
+    sc, summary = result.summary.get("score") or {}, result.summary
+    return Measurement(
+        stage="live", number=number, params=dict(params), state="COMPLETE", values=sc.get("values"),
+        constraints=dict(sc.get("violations") or {}), run_id=run_id, goodput_rps=sc.get("goodput_rps"),
+        throughput_rps=sc.get("throughput_rps"), observed=dict(sc.get("observed") or {}),
+        summary={k: summary.get(k) for k in ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95",
+                                             "tpot_p95", "e2e_p95", "prefix_hit_rate", "kv_usage_peak",
+                                             "preemptions")},
+        target=result.target, measured_on=measured_on(result.target, result.device, result.config),
+        repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []))
+
+
+def _save_config_row(store: Store, study: str, cand: Candidate, outcomes: list[LiveOutcome], objective) -> None:
+    """The config's row in the trials table: the means of its completed runs so far."""
+    runs = [o.measurement for o in outcomes]
+    merged, _ = combine(runs, list(objective.slos))
+    if merged.ok:
+        store.save_trial(study, cand.number, "live", "COMPLETE", cand.params, values=merged.values,
+                         constraints=merged.constraints, run_id=merged.run_id)
+    else:
+        store.save_trial(study, cand.number, "live", "FAIL", cand.params, reason=merged.reason)

@@ -17,6 +17,7 @@ from ..results import RequestRecord, RunResult, summarize
 from ..scrape import ScrapeError, ScrapeLog, Scraper
 from ..workload import Workload, workload_stats, write_workload
 from .base import TargetRunError
+from .hostcpu import busy_fraction, cpu_times
 from .sim import config_dict
 
 SERVER_HISTOGRAMS = ("ttft", "tpot", "itl", "e2e", "queue")
@@ -44,10 +45,20 @@ def served_model(url: str) -> str:
         raise TargetRunError(f"{url}/v1/models did not name a model: {err}") from None
 
 
+def server_version(url: str) -> str | None:
+    """What GET /version says (vLLM and kvengine: {"version": "0.32.0"}); None where it says nothing."""
+    try:
+        resp = requests.get(url + "/version", timeout=5)
+        return str(resp.json()["version"]) if resp.ok else None
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
 def run_live(url: str, workload: Workload, target: str, model_label: str | None,
              config: EngineConfig | None, options: LiveOptions, check_alive=None) -> RunResult:
     model = options.model_name or served_model(url)
-    t0 = time.perf_counter()
+    version = server_version(url)
+    t0, cpu0 = time.perf_counter(), cpu_times()
     with tempfile.TemporaryDirectory(prefix="kvtune-live-") as tmp:
         path = os.path.join(tmp, "workload.jsonl")
         write_workload(workload, path)
@@ -59,6 +70,7 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
         run_time = math.ceil(workload.duration_s + options.drain_timeout_s)
         load = run_load(url, path, model, options.users, run_time, options.workers)
         log = scraper.stop()
+    host_busy = busy_fraction(cpu0, cpu_times())
     if check_alive is not None:
         check_alive()
     _check_still_serving(url)
@@ -69,6 +81,8 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
                              + (f"\nload generator log:\n{load.log[-1500:]}" if load.log.strip() else ""))
     asked = config_dict(config) if config is not None else {}
     cfg, overruled = server_config(asked, _config_from_server(log))
+    if version:
+        cfg["server_version"] = version
     block_size = int(cfg.get("block_size") or 16)
     sent = [r.arrival_s for r in records if r.ttft_s is not None]
     ends = [r.arrival_s + r.e2e_s for r in records if r.e2e_s is not None]
@@ -79,6 +93,7 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
     result.summary = summarize(result) | _load_figures(load) | server_figures(log)
     result.summary["disagreements"] = disagreements(result.summary, log, options.disagree_margin)
     result.summary["config_overruled"] = overruled
+    result.summary["host_cpu_busy"] = host_busy
     return result
 
 
@@ -128,6 +143,7 @@ def _records(load, workload: Workload) -> list[RequestRecord]:
 
 def _load_figures(load) -> dict:
     return {"max_lateness_s": load.max_lateness_s, "load_kept_up": load.kept_up,
+            "load_cpu_warning": "CPU usage above" in load.log,
             "load_shards": len({s.get("shard", 0) for s in load.samples})}
 
 

@@ -18,7 +18,7 @@ from kvengine.flags import launch_flags
 from ..results import RunResult
 from ..workload import Workload
 from .base import TargetStartError
-from .live import LiveOptions, run_live
+from .live import LiveOptions, run_live, served_model
 from .process import ManagedServer, free_port
 from .rules import TargetRules, engine_rules, sglang_rules, vllm_platform, vllm_rules
 
@@ -72,9 +72,16 @@ class _ServerTarget(ABC):
         result.config["launch_env"] = self.rules.launch_env()
         result.config["launch_args"] = getattr(self, "extra_args", "")
         result.config["launch_server"] = self.name
+        if getattr(self, "executor", None):
+            result.config["executor"] = self.executor
         # what this server takes, for the fixes a diagnosis proposes (it never sees the target)
         result.config["server_block_sizes"] = list(self.rules.block_sizes)
         return result
+
+    def check(self, config: EngineConfig) -> None:
+        """Start the server with `config` and see it answer, before a search spends minutes on stage 1."""
+        with self.server(config) as server:
+            served_model(server.url)
 
     @property
     @abstractmethod

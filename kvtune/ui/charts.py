@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 
 from ..plan import CapacityPlan
 from ..report.plots import BEST, FAILED, FEASIBLE, INFEASIBLE
-from ..report.verdict import Measurement
+from ..search.ranking import Measurement
 
 MAX_POINTS = 400  # time bins: a sim run has a point per engine step
 HEIGHT = 380

@@ -11,7 +11,7 @@ from kvtune.report import fmt
 from kvtune.report.data import ReportData, ReportError
 from kvtune.report.launch import engine_config, launch_commands, model_export
 from kvtune.report.sections import trial_note
-from kvtune.report.verdict import Candidate, Measurement
+from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, describe
 from kvtune.report.words import (
     metric_label,
     miss_text,
@@ -135,6 +135,10 @@ def stages_frame(report: ReportData) -> pd.DataFrame:
             row[f"TTFT p95 {stage} (ms)"] = _ms(m.summary.get("ttft_p95")) if ok else None
             row[f"TPOT p95 {stage} (ms)"] = _ms(m.summary.get("tpot_p95")) if ok else None
             row[f"meets SLOs {stage}"] = ("yes" if m.feasible else "no") if ok else ("failed" if m else "not run")
+        if report.live:
+            iv = c.spread.get("goodput_rps")
+            row["goodput live, 95 % interval"] = f"[{iv.lo:.2f}, {iv.hi:.2f}]" if iv is not None else None
+            row["live runs (ok/all)"] = f"{sum(m.ok for m in c.runs)}/{len(c.runs)}" if c.runs else None
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -224,29 +228,28 @@ def show_study(view: data.StudyView) -> None:
     st.subheader("Best configs and their launch commands")
     best_configs(view)
 
-    st.subheader("Stage 1 (simulator) vs stage 2 (live server)")
+    st.subheader("Stage 1 (simulator) vs stage 2 (live runs)")
     if not report.live:
         st.info("Stage 2 did not run for this study (`--target none`): only the simulator's numbers exist. "
-                "The best stage-1 configs and vLLM's default:")
+                "The best stage-1 configs and the target's default:")
     stages = stages_frame(report)
     st.dataframe(stages, hide_index=True, key="stages_table", column_config=number_config(stages))
 
 
 def verdict(report: ReportData) -> None:
+    """The ranking's verdict, in the words the report and the terminal use."""
     v = report.verdict
-    stage = "the live server" if v.stage == "live" else "the simulator"
-    if v.recommended is not None:
-        m = v.recommended.measured
-        st.success(f"Recommended: **{v.recommended.label}** — {value_label(report.info)} "
-                   f"{fmt.number(m.value) if m else fmt.MISSING}, meeting every SLO on {stage}.")
+    text = describe(v)
+    if v.kind in (BETTER, KEEP_DEFAULT, SMALLEST_CHANGE):
+        st.success(text)
     elif v.closest is not None:
         misses = "; ".join(miss_text(x) for x in v.misses)
-        st.warning(f"No config met every SLO on {stage}. Closest: **{v.closest.label}** ({misses}).")
+        st.warning(f"{text} Closest: **{v.closest.label}** ({misses}).")
         if v.feasible_elsewhere:
             st.caption(f"Stage-1 trials that met the SLOs on the simulator: "
                        f"{', '.join(map(str, v.feasible_elsewhere))}.")
     else:
-        st.warning("No trial of this study completed: see the failed trials' notes.")
+        st.warning(text)
 
 
 def best_configs(view: data.StudyView) -> None:
@@ -263,7 +266,7 @@ def best_configs(view: data.StudyView) -> None:
             m = candidate.measured
             st.dataframe(pd.DataFrame([{k: fmt.param(k, v) for k, v in candidate.params.items()}]),
                          hide_index=True)
-            st.markdown(f"{'Live server' if m.stage == 'live' else 'Simulator'}: goodput {fmt.rps(m.goodput_rps)}, "
+            st.markdown(f"Measured on {m.measured_on or m.stage}: goodput {fmt.rps(m.goodput_rps)}, "
                         f"throughput {fmt.rps(m.throughput_rps)}, TTFT p95 {fmt.ms(m.summary.get('ttft_p95'))}, "
                         f"TPOT p95 {fmt.ms(m.summary.get('tpot_p95'))}; "
                         f"{'meets' if m.feasible else 'misses'} the SLOs.")

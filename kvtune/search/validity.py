@@ -1,0 +1,50 @@
+"""What a run was measured on, in words, and the doubts its own evidence raises.
+
+A doubt is anything that makes a run's figures describe the measurement rather than
+the config: clients and server disagree beyond bucket resolution, the load generator
+fell behind its schedule or ran out of CPU, the host was saturated, requests failed
+or were rejected. The ranking turns a verdict that rests on doubtful runs into
+"inconclusive".
+"""
+from __future__ import annotations
+
+from ..results import RunResult
+from .slo import Score
+
+HOST_BUSY = 0.95  # the share of all CPUs busy over the run above which the host, not the config, is timed
+
+
+def measured_on(target: str | None, device: str | None, config: dict) -> str:
+    """The honest name of what ran a measurement."""
+    version = config.get("server_version")
+    if target == "sim":
+        return f"the simulator ({device}, virtual time)"
+    if target == "engine":
+        if config.get("executor") == "sim":
+            return f"simulated {device}, replayed in real time by kvengine (no model runs)"
+        return f"kvengine {version or ''} (real forward passes on {device})".replace("  ", " ")
+    if target == "vllm":
+        return f"vLLM {version or '(version unknown)'}"
+    if target == "sglang":
+        return f"SGLang {version or '(version unknown)'}"
+    return target or "unknown"
+
+
+def run_doubts(result: RunResult, score: Score) -> list[str]:
+    summary = result.summary
+    doubts = [f"clients and server disagree: {d}" for d in summary.get("disagreements") or []]
+    if summary.get("load_kept_up") is False:
+        doubts.append(f"the load generator fell behind its schedule (a request went out "
+                      f"{summary.get('max_lateness_s', 0):.1f} s late)")
+    if summary.get("load_cpu_warning"):
+        doubts.append("the load generator (Locust) warned that its CPU was above 90 %")
+    busy = summary.get("host_cpu_busy")
+    if busy is not None and busy >= HOST_BUSY:
+        doubts.append(f"the host's CPUs were {busy:.0%} busy over the run: it timed the host as much as the config")
+    failed = sum(1 for r in result.requests if r.error and r.finish_reason != "rejected")
+    rejected = sum(1 for r in result.requests if r.finish_reason == "rejected")
+    if failed:
+        doubts.append(f"{failed} of {len(result.requests)} requests failed")
+    if rejected:
+        doubts.append(f"{rejected} of {len(result.requests)} requests were rejected (longer than max_model_len)")
+    return doubts
