@@ -206,7 +206,8 @@ def _headroom(data: ReportData) -> str:
     peak = m.summary.get("kv_usage_peak") if m is not None else None
     if peak is None and run is not None:
         peak = run.result.summary.get("kv_usage_peak")
-    which = "recommended" if data.verdict.recommended is not None else "closest"
+    which = ("recommended" if data.verdict.recommended is not None else
+             "closest" if data.verdict.closest is not None else "best measured")
     where = _measured_on(m, run)
     if peak is None:
         return f"**KV headroom** of the {which} config ({head.label}): KV usage was not recorded {where}."
@@ -225,13 +226,7 @@ def _headroom(data: ReportData) -> str:
 def _measured_on(m, run: RunView | None) -> str:
     if m is None or m.stage != "live":
         return "on the simulator (stage 1)"
-    kind = m.target or (run.result.target if run is not None else None)
-    config = run.result.config if run is not None else {}
-    if kind == "engine" and config.get(EXECUTOR_KEY) == "sim":
-        return "on the kvengine server with the sim executor (the simulated device in real time; stage 2)"
-    version = config.get(SERVER_VERSION_KEY)
-    name = SERVER_NAMES.get(kind, kind or "live server")
-    return f"on the live {name}{' ' + version if version else ''}{'' if kind == 'engine' else ' server'} (stage 2)"
+    return f"on {m.measured_on or m.target or 'a live target'} (stage 2)"
 
 
 # ---------------------------------------------------------------- workload

@@ -121,11 +121,19 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
     return StudyInfo(
         name=study.study_name, objective=attrs.get("objective", "goodput"),
         directions=[d.name.lower() for d in study.directions],
-        slos=[parse_slo_text(s) for s in attrs.get("slos") or []], latency=attrs.get("latency", "ttft_p95"),
+        slos=_slos(attrs), latency=attrs.get("latency", "ttft_p95"),
         workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
         live_requests=attrs.get("live_requests"))
+
+
+def _slos(attrs: dict) -> list[SLO]:
+    """The study's SLOs as the search stored them; a study from before it stored them whole is read
+    back from their text."""
+    if attrs.get("slo_specs") is not None:
+        return [SLO(d["metric"], int(d["percentile"]), float(d["threshold_s"])) for d in attrs["slo_specs"]]
+    return [parse_slo_text(s) for s in attrs.get("slos") or []]
 
 
 def parse_slo_text(text: str) -> SLO:

@@ -124,7 +124,9 @@ def cmd_search(args) -> int:
     store = Store(db_url)
     name = _study_name(args)
     attrs = {"workload": args.workload, "preset": args.preset, "device": args.device, "profile": args.profile,
-             "slos": [str(s) for s in slos], "space": {k.name: _knob_text(k) for k in space.knobs},
+             "slos": [str(s) for s in slos],
+             "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
+             "space": {k.name: _knob_text(k) for k in space.knobs},
              "latency": args.latency, "live_requests": args.live_head}
     study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
     stage1 = Stage1(study, space, sim_base, objective, sim.run, workload, store, args.trials)

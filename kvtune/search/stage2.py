@@ -15,7 +15,7 @@ from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .objective import Objective
-from .ranking import BETTER, FAILED, INFEASIBLE, Measurement, choose, combine
+from .ranking import BETTER, FAILED, INCONCLUSIVE, INFEASIBLE, Measurement, choose, combine
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
 from .validity import measured_on, run_doubts
@@ -103,7 +103,7 @@ def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: Engin
         if repeat < plan.repeats:
             continue
         verdict, _, _ = choose([], [o.measurement for o in outcomes], list(objective.slos), dflt)
-        if verdict.kind in (BETTER, INFEASIBLE, FAILED) or not active:
+        if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active:  # more runs mend no doubt
             break
         still = {id(c) for c in active if c.params == dflt or any(t.params == c.params for t in verdict.tied)}
         active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
