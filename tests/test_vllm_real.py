@@ -171,7 +171,7 @@ def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_tra
     p = kvtune("search", "--workload", path, "--trials", "6", "--preset", "tiny", "--device", "cpu",
                "--max-model-len", MAX_MODEL_LEN, "--target", "vllm", "--model", checkpoint, "--top-k", "1",
                *server_flags(), "--live-head", "20", "--repeats", "1", "--max-repeats", "1",
-               "--db", db, "--study", "v", "--no-report", "--json", timeout=1200)
+               "--db", db, "--study", "v", "--report-dir", str(tmp_path / "rep"), "--json", timeout=1200)
     assert p.returncode == 0, p.stderr + p.stdout
     assert "checking the vllm target" in p.stdout
     out = json.loads(p.stdout.strip().splitlines()[-1])
@@ -187,3 +187,6 @@ def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_tra
     default = live["live default #1"]
     assert default.config["block_size"] == 128 and default.config["max_num_seqs"] == 128
     assert default.config["server_version"] == "0.32.0" and "score" in default.summary
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "measured on vLLM 0.32.0, 1 run of each config" in report  # the verdict, as the terminal said it
+    assert "a live vLLM 0.32.0 server started by kvtune" in report  # what was measured, where
