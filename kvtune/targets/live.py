@@ -17,7 +17,7 @@ from ..results import RequestRecord, RunResult, summarize
 from ..scrape import ScrapeError, ScrapeLog, Scraper
 from ..workload import Workload, workload_stats, write_workload
 from .base import TargetRunError
-from .hostcpu import busy_fraction, cpu_times
+from . import hostcpu
 from .sim import config_dict
 
 SERVER_HISTOGRAMS = ("ttft", "tpot", "itl", "e2e", "queue")
@@ -55,10 +55,11 @@ def server_version(url: str) -> str | None:
 
 
 def run_live(url: str, workload: Workload, target: str, model_label: str | None,
-             config: EngineConfig | None, options: LiveOptions, check_alive=None) -> RunResult:
+             config: EngineConfig | None, options: LiveOptions, check_alive=None,
+             server_pid: int | None = None) -> RunResult:
     model = options.model_name or served_model(url)
     version = server_version(url)
-    t0, cpu0 = time.perf_counter(), cpu_times()
+    t0, cpu0 = time.perf_counter(), hostcpu.read(server_pid)
     with tempfile.TemporaryDirectory(prefix="kvtune-live-") as tmp:
         path = os.path.join(tmp, "workload.jsonl")
         write_workload(workload, path)
@@ -70,7 +71,7 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
         run_time = math.ceil(workload.duration_s + options.drain_timeout_s)
         load = run_load(url, path, model, options.users, run_time, options.workers)
         log = scraper.stop()
-    host_busy = busy_fraction(cpu0, cpu_times())
+    host_busy, host_others = hostcpu.host_shares(cpu0, hostcpu.read(server_pid))
     if check_alive is not None:
         check_alive()
     _check_still_serving(url)
@@ -94,6 +95,7 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
     result.summary["disagreements"] = disagreements(result.summary, log, options.disagree_margin)
     result.summary["config_overruled"] = overruled
     result.summary["host_cpu_busy"] = host_busy
+    result.summary["host_cpu_others"] = host_others  # None: the server's share is not known (url target)
     return result
 
 

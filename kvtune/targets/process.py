@@ -100,6 +100,10 @@ class ManagedServer:
         except (ProcessLookupError, PermissionError):
             pass
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise TargetRunError(f"the server died during the run (exit status {self.proc.returncode}); "

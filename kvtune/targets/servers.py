@@ -68,7 +68,7 @@ class _ServerTarget(ABC):
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
         with self.server(config) as server:
             result = run_live(server.url, workload, self.name, self.model_label, config, self.options,
-                              check_alive=server.check_alive)
+                              check_alive=server.check_alive, server_pid=server.pid)
         result.config["launch_env"] = self.rules.launch_env()
         result.config["launch_args"] = getattr(self, "extra_args", "")
         result.config["launch_server"] = self.name
