@@ -87,6 +87,22 @@ def test_vllm_and_sglang_command_lines():
         vllm.command(EngineConfig(kv_cache_dtype="int8"), 8100)
 
 
+def test_a_pool_fixed_by_server_args_is_the_one_stage_1_simulates_and_utilisation_is_not_searched():
+    from kvtune.search.space import SearchSpace
+    engine = EngineTarget(executor="torch", extra_args="--kv-cache-memory-bytes 4MiB --max-num-batched-tokens 512")
+    assert engine.command(EngineConfig(), 8000)[-4:] == ["--kv-cache-memory-bytes", "4MiB",
+                                                         "--max-num-batched-tokens", "512"]
+    rules = engine.rules
+    assert rules.pool_knob == "--kv-cache-memory-bytes" and not rules.utilization_sizes_pool
+    assert rules.sim_config(EngineConfig()).kv_cache_memory_bytes == 4 * 2**20
+    space, notes = SearchSpace.default(()).for_target(rules)
+    assert "gpu_memory_utilization" not in space.names
+    assert any("--kv-cache-memory-bytes sizes the pool" in n for n in notes), notes
+    vllm = VllmTarget(model="m", vllm_command="/opt/venv/bin/vllm", extra_args="--num-gpu-blocks-override=64")
+    assert vllm.rules.sim_config(EngineConfig()).num_gpu_blocks_override == 64
+    assert VllmTarget(model="m", vllm_command="/opt/venv/bin/vllm").rules.sim_config(EngineConfig()) == EngineConfig()
+
+
 def test_engine_that_cannot_start_is_a_failed_run(tmp_path):
     db = f"sqlite:///{tmp_path}/runs.db"
     trace = tmp_path / "t.jsonl"

@@ -115,8 +115,7 @@ def cmd_search(args) -> int:
         sim_base = live.rules.sim_config(base)
         default = live.rules.default_config(sim_base).resolve(model, device)
         if sim_base is not base:
-            notes.append(f"stage 1 sizes the KV pool as the live server's environment does: "
-                         f"{live.rules.pool_knob}={live.rules.pool_env[live.rules.pool_knob]} GiB")
+            notes.append(f"stage 1 sizes the KV pool as the live server does: {live.rules.pool_text}")
         for note in notes:
             print(f"note: {note}")
     workload = read_workload(args.workload, format=args.format)

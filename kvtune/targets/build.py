@@ -66,7 +66,8 @@ def live_target(kind: str, args, preset: str | None, device: str | None):
     if kind == "engine":
         memory = getattr(args, "device_memory", None)
         return EngineTarget(**common, executor=args.executor, preset=preset, device=device,
-                            model_path=args.model, device_memory=str(memory) if memory else None)
+                            model_path=args.model, device_memory=str(memory) if memory else None,
+                            extra_args=args.server_args)
     if kind == "vllm":
         vllm = VllmTarget(**common, model=args.model or "", extra_args=args.server_args,
                           platform=args.vllm_platform)

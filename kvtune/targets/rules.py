@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, GiB, EngineConfig
+from kvengine.flags import parse_size
 
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 VLLM_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -34,13 +35,33 @@ class TargetRules:
     max_num_seqs: int | None = None  # the server's default; None: the engine's per-device one
     pool_env: dict = field(default_factory=dict)  # environment that sizes the KV pool
     utilization_sizes_pool: bool = True  # False: gpu_memory_utilization does nothing here
+    pool_args: dict = field(default_factory=dict)  # a pool fixed by the server's own flags (--server-args)
 
     @property
     def pool_knob(self) -> str:
         """How an operator changes the pool's size on this server."""
+        if self.pool_args:
+            return next(iter(self.pool_args))
         if not self.utilization_sizes_pool and CPU_KV_SPACE_ENV in self.pool_env:
             return CPU_KV_SPACE_ENV
         return "--gpu-memory-utilization" if self.utilization_sizes_pool else "--num-gpu-blocks-override"
+
+    @property
+    def pool_text(self) -> str | None:
+        """What fixes the pool, as the operator wrote it; None where utilisation sizes it."""
+        if self.pool_args:
+            return " ".join(f"{k} {v}" for k, v in self.pool_args.items())
+        if CPU_KV_SPACE_ENV in self.pool_env:
+            return f"{CPU_KV_SPACE_ENV}={self.pool_env[CPU_KV_SPACE_ENV]} GiB"
+        return None
+
+    def with_server_args(self, extra_args: str) -> "TargetRules":
+        """These rules, with the pool that the server's extra flags fix (--kv-cache-memory-bytes,
+        --num-gpu-blocks-override): utilisation then sizes nothing."""
+        found = pool_flags(extra_args)
+        if not found:
+            return self
+        return dataclasses.replace(self, pool_args=found, utilization_sizes_pool=False)
 
     @property
     def pool_bytes(self) -> int | None:
@@ -52,7 +73,11 @@ class TargetRules:
             return None
 
     def sim_config(self, base: EngineConfig) -> EngineConfig:
-        """`base` for the simulator: the pool this server has, where its environment sets it."""
+        """`base` for the simulator: the pool this server has, where its flags or environment set it."""
+        if "--num-gpu-blocks-override" in self.pool_args:
+            return dataclasses.replace(base, num_gpu_blocks_override=int(self.pool_args["--num-gpu-blocks-override"]))
+        if "--kv-cache-memory-bytes" in self.pool_args:
+            return dataclasses.replace(base, kv_cache_memory_bytes=parse_size(self.pool_args["--kv-cache-memory-bytes"]))
         return base if self.pool_bytes is None else dataclasses.replace(base, kv_cache_memory_bytes=self.pool_bytes)
 
     def default_config(self, base: EngineConfig) -> EngineConfig:
@@ -90,6 +115,19 @@ def engine_rules(device: str) -> TargetRules:
     cpu = device == "cpu"
     return TargetRules("kvengine", BLOCK_SIZES, 128 if cpu else 16, kv_cache_dtypes=KV_CACHE_DTYPES,
                        max_num_seqs=128 if cpu else None)
+
+
+POOL_FLAGS = ("--kv-cache-memory-bytes", "--num-gpu-blocks-override")
+
+
+def pool_flags(extra_args: str) -> dict:
+    """The pool-sizing flags among a server's extra arguments, as written (`--flag V` or `--flag=V`)."""
+    words, found = shlex.split(extra_args or ""), {}
+    for i, word in enumerate(words):
+        name, _, value = word.partition("=")
+        if name in POOL_FLAGS:
+            found[name] = value or (words[i + 1] if i + 1 < len(words) else "")
+    return found
 
 
 def sglang_rules() -> TargetRules:

@@ -100,10 +100,12 @@ class EngineTarget(_ServerTarget):
     model_path: str | None = None
     device_memory: str | None = None
     python: str = sys.executable
+    extra_args: str = ""  # more kvengine serve flags (--server-args), e.g. a fixed pool
 
     @property
     def rules(self) -> TargetRules:
-        return engine_rules("cpu" if self.executor == "torch" and self.device == "cpu" else self.device)
+        rules = engine_rules("cpu" if self.executor == "torch" and self.device == "cpu" else self.device)
+        return rules.with_server_args(self.extra_args)
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
         cmd = [self.python, "-m", "kvengine", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -113,7 +115,7 @@ class EngineTarget(_ServerTarget):
             cmd += ["--model", self.model_path]
         if self.device_memory:
             cmd += ["--device-memory", self.device_memory]
-        return cmd
+        return cmd + shlex.split(self.extra_args)
 
     @property
     def model_label(self) -> str:
@@ -138,7 +140,7 @@ class VllmTarget(_ServerTarget):
 
     @property
     def rules(self) -> TargetRules:
-        return vllm_rules(self.resolved_platform, self.env)
+        return vllm_rules(self.resolved_platform, self.env).with_server_args(self.extra_args)
 
     @property
     def module_form(self) -> bool:
