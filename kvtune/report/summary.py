@@ -12,7 +12,7 @@ from . import fmt
 from .data import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
-from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, where, describe
+from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, headline, where
 from .words import (
     GLOSSARY,
     metric_label,
@@ -71,7 +71,7 @@ def _scope(data: ReportData) -> str:
 
 def _verdict(data: ReportData, diagnoses: list[Diagnosis]) -> Callout:
     v = data.verdict
-    title = describe(v).split(". ")[0] + "."
+    title = headline(v)
     if v.kind in (BETTER, KEEP_DEFAULT, SMALLEST_CHANGE):
         rec = v.recommended
         lines = [params_text(rec.params), _headline_figures(data, rec), *(f"• {r}" for r in v.reasons)]

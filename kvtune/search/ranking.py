@@ -276,11 +276,12 @@ def _live_verdict(live, pair, default, slos, sim_done):
     if verdict.kind == INFEASIBLE:
         verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
     doubts = _doubts(verdict, default)
-    if doubts and verdict.kind in (BETTER, KEEP_DEFAULT, SMALLEST_CHANGE):
-        # the evidence cannot carry a change of flags: nothing is recommended, the leader is shown
+    if doubts:
+        # the evidence can carry neither a change of flags nor "nothing meets the SLOs" (a busy host
+        # alone can miss them): nothing is recommended, the leader is shown
         verdict.kind, verdict.reasons, verdict.recommended = INCONCLUSIVE, doubts, None
-    elif doubts:
-        verdict.reasons += doubts
+        verdict.leader = verdict.leader or verdict.closest
+        verdict.closest, verdict.misses = None, []
     return verdict, shown
 
 
@@ -368,24 +369,28 @@ def _unique(candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
-def describe(verdict: Verdict) -> str:
-    """The verdict in one paragraph, as the terminal, the report and the UI print it."""
-    place = where(verdict)
-    rec, reasons = verdict.recommended, "; ".join(verdict.reasons)
-    if verdict.kind == BETTER:
-        return f"Verdict ({place}): change to {rec.label}. {reasons}."
+def headline(verdict: Verdict) -> str:
+    """The verdict in one sentence (no reasons)."""
+    place, rec = where(verdict), verdict.recommended
+    if verdict.kind in (BETTER, SMALLEST_CHANGE):
+        return f"Verdict ({place}): change to {rec.label}."
     if verdict.kind == KEEP_DEFAULT:
-        return f"Verdict ({place}): no significant difference: keep the default. {reasons}."
-    if verdict.kind == SMALLEST_CHANGE:
-        return f"Verdict ({place}): change to {rec.label}. {reasons}."
+        return f"Verdict ({place}): no significant difference: keep the default."
     if verdict.kind == INCONCLUSIVE:
         lead = f" ({verdict.leader.label} measured best)" if verdict.leader else ""
-        return (f"Verdict ({place}): inconclusive{lead}: keep what you run; these runs cannot carry a change of "
-                f"flags: {reasons}.")
+        return f"Verdict ({place}): inconclusive{lead}: keep what you run."
     if verdict.kind == INFEASIBLE:
         closest = verdict.closest.label if verdict.closest else "none"
         return f"Verdict ({place}): no config met every SLO; the closest is {closest}."
-    return f"Verdict: nothing could be measured ({place}): {reasons}."
+    return f"Verdict: nothing could be measured ({place})."
+
+
+def describe(verdict: Verdict) -> str:
+    """The verdict and its reasons, as the terminal, the report and the UI print it."""
+    reasons = "; ".join(verdict.reasons)
+    if verdict.kind == INCONCLUSIVE:
+        reasons = f"These runs cannot carry a change of flags: {reasons}"
+    return headline(verdict) + (f" {reasons[0].upper()}{reasons[1:]}." if reasons else "")
 
 
 def where(verdict: Verdict) -> str:
