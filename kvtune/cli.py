@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
@@ -37,8 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP: unwind, so every server and load generator kvtune started is stopped."""
+
+
+def _on_signal(signum, _frame):
+    raise Terminated(signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     try:
         return args.func(args)
     except (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError) as err:
@@ -47,6 +58,9 @@ def main(argv=None) -> int:
     except OSError as err:
         print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
         return 2
+    except Terminated as sig:
+        print(f"kvtune: stopped by signal {sig.args[0]}; the servers it started are stopped", file=sys.stderr)
+        return 128 + sig.args[0]
 
 
 if __name__ == "__main__":

@@ -205,3 +205,31 @@ def test_kvtune_run_engine_torch_end_to_end(tmp_path):
     assert s["server_prefix_hits"] > 0  # the shared first hash block is served from the cache
     stored = Store(db).load_run(s["run_id"])
     assert stored.model == "tiny" and stored.device == "cpu" and len(stored.requests) == 12
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_run_stops_the_server_kvtune_started(tmp_path):
+    import os
+    import signal
+    import time
+
+    import psutil
+    trace = tmp_path / "t.jsonl"
+    write_workload(Workload([TraceRequest(i * 0.5, 64, 400) for i in range(40)]), str(trace))  # ~20 s of load
+    proc = subprocess.Popen([sys.executable, "-m", "kvtune", "run", "--target", "engine", "--executor", "sim",
+                             "--preset", "llama-3-8b", "--device", "l4-24gb", "--workload", str(trace),
+                             "--db", f"sqlite:///{tmp_path}/s.db"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline, servers = time.monotonic() + 60, []
+    while time.monotonic() < deadline and not servers:  # the server is up once Locust runs beside it
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        if any("locust" in " ".join(k.cmdline()) for k in kids if k.is_running()):
+            servers = [k for k in kids if "kvengine" in " ".join(k.cmdline())]
+        time.sleep(0.2)
+    assert servers, "the run never started its server and load"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "stopped by signal" in err, err
+    gone, alive = psutil.wait_procs(servers, timeout=20)
+    assert not alive, [p.pid for p in alive]
+    assert os.path.exists(tmp_path / "s.db")

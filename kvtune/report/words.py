@@ -23,7 +23,10 @@ GLOSSARY = [
      "**preempted** (paused and recomputed later)."),
     "**prefix hit rate**: share of prompt tokens served from the cache instead of being recomputed.",
     ("**stage 1** runs on kvtune's simulator (the engine's real scheduler and KV cache, modelled step "
-     "times); **stage 2** re-runs the best configs on a live server."),
+     "times); **stage 2** runs the best configs and the target's default several times each, interleaved, "
+     "on the live target."),
+    ("**[lo, hi]**: the 95 % bootstrap interval of a mean over repeated runs; a config beats another only "
+     "when their intervals do not overlap."),
 ]
 
 

@@ -55,7 +55,11 @@ class ManagedServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ManagedServer":
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a start cut short (a signal, Ctrl-C, a timeout) must not leave the server
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

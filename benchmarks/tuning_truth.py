@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""The truth (issue 22): does `kvtune search` pick what a live grid says is best, on a real server?
+
+Server: the bundled engine's torch executor (`EngineTarget(executor="torch",
+preset="tiny", device="cpu")`: real forward passes of the tiny random Llama) or,
+with --server vllm, vLLM's CPU build in ./.venv-vllm (`VllmTarget`, serving
+tests/checkpoint.py's tiny checkpoint, float32, written to a temporary folder).
+
+Workload: `kvtune trace synth` single-turn requests (default 32 at 16 req/s,
+constant arrivals, prompts 96-192 tokens, answers 24-48), the same trace shape
+for both servers, under real KV pressure: every config, the default included,
+runs on one fixed KV pool of --pool-bytes (default 2 MiB: 1024 float32 tokens
+of the tiny model, 4096 fp8 ones; passed as --kv-cache-memory-bytes, fixed
+--max-model-len 512), so the target's default (block 128, 128 seqs, auto)
+preempts. The SLOs default to ttft_p95=2s, tpot_p95=150ms; the objective is
+kvtune's goodput (requests/s meeting every SLO).
+
+The grid: block_size x max_num_seqs x kv_cache_dtype, every config run
+--repeats times (default 3), interleaved (round r runs every config once, in an
+order rotated by r), each run scored by kvtune's own `Objective.evaluate` and
+each config summarised by `kvtune.search.ranking.interval` (mean + bootstrap
+interval). --quick: blocks 32,128 x seqs 8,32,128 x auto,fp8 = 12 configs x 3
+runs (it includes the target's default, block 128 / 128 seqs / auto, so the
+grid measures the default itself); the full mode adds block 16 on the engine
+(64 on vLLM, which takes multiples of 32 only): 18 configs. Both modes use the
+same blocks on both servers where the server takes them.
+
+Each run starts its own server (no shared starts): a fresh process means an
+empty pool, an empty prefix cache and no leftover queue, so every run of every
+config starts from the same pool state; clearing the prefix cache of a running
+vLLM needs /reset_prefix_cache, which vLLM serves only with
+VLLM_SERVER_DEV_MODE=1, and a config change needs a restart anyway. kvtune's
+own stage 2 starts a server per run too, so the grid and the search measure the
+same thing.
+
+Then `kvtune search` runs as a subprocess on the same workload, SLOs, pool and
+space (gpu_memory_utilization pinned to the default's 0.92: the pool is
+fixed), with --live-budget a quarter of the grid's live runs and --top-k what
+3 repeats each fit in it (a 36-run grid: budget 9, top-k 2, the default the
+third config). The pool reaches the search as the server's own flag
+(`--server-args "--kv-cache-memory-bytes POOL"`): the target passes it to the server,
+and stage 1 (the simulator), the target check, the default and every stage-2 run
+size the pool by it (gpu_memory_utilization is then not searched).
+
+Reported: recommended_over_best (the recommended config's grid mean over the
+grid's best mean; goal >= 0.95, or tied: the intervals overlap),
+verdict_right (the grid "beats the default" when its best config's interval
+lies above the default's; then the verdict must be better or smallest_change,
+else keep_default or inconclusive), kendall_tau (scipy's tau-b between each
+grid config's goodput on the simulator, `SimTarget(model_preset("tiny"),
+device_preset("cpu"))` with the same pool, one run each, and its live grid
+mean; goal >= 0.7), live_runs_used (the search's) and grid_live_runs. With
+--calibrate (or --profile NAME --profile-db FILE) a calibrated cost profile
+runs the simulator instead, for the ranking and for the search's stage 1;
+kvtune calibrate refuses a fit on a noisy host, and then the presets run.
+
+--quick took 7-9 minutes on the engine on a shared 2-core host (36 grid runs of
+about 10 s each, a server start included, then about 90 s of search); a vLLM
+CPU run takes about 75 s (its start and warm-up), so there --quick with
+--seqs 8,128 (8 configs, 24 runs) takes about 40 minutes.
+
+    python benchmarks/tuning_truth.py [--quick] [--server engine|vllm] [--repeats 3] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from kvengine.config import EngineConfig, device_preset, model_preset
+
+from kvtune.search import Objective, parse_slo
+from kvtune.search.ranking import interval
+from kvtune.search.validity import run_doubts
+from kvtune.targets import SimTarget
+from kvtune.targets.base import TargetRunError, TargetStartError
+from kvtune.targets.live import LiveOptions
+from kvtune.targets.servers import EngineTarget, VllmTarget
+from kvtune.workload import read_workload
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+KNOBS = ("block_size", "max_num_seqs", "kv_cache_dtype")
+GRIDS = {  # server -> mode -> knob values
+    "engine": {"quick": ((32, 128), (8, 32, 128), ("auto", "fp8")),
+               "full": ((16, 32, 128), (8, 32, 128), ("auto", "fp8"))},
+    "vllm": {"quick": ((32, 128), (8, 32, 128), ("auto", "fp8")),
+             "full": ((32, 64, 128), (8, 32, 128), ("auto", "fp8"))},
+}
+MAX_MODEL_LEN = 512
+class Stop(Exception):
+    """SIGTERM/SIGHUP: unwind through the finally blocks that stop the servers."""
+
+
+def _on_signal(signum, frame):
+    raise Stop(f"signal {signum}")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def child(cmd: list[str], cwd=None) -> subprocess.CompletedProcess:
+    """Run a kvtune command to its end; stopped (SIGTERM/SIGINT here), it gets SIGTERM, so it stops the
+    servers it started before it exits (SIGKILL after 60 s)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def key(params: dict) -> tuple:
+    return tuple(params[k] for k in KNOBS)
+
+
+def label(params: dict) -> str:
+    return f"block {params['block_size']:>3} seqs {params['max_num_seqs']:>3} {params['kv_cache_dtype']:<4}"
+
+
+def write_trace(path: Path, args) -> None:
+    cmd = [PY, "-m", "kvtune", "trace", "synth", "-o", str(path), "--num-requests", str(args.requests),
+           "--rate", str(args.rate), "--arrival", "constant", "--input-len", args.input_len,
+           "--output-len", args.output_len, "--seed", "0"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
+def make_target(args, ckpt: str | None, log_dir: str):
+    options = LiveOptions(device="cpu", users=256)
+    if args.server == "engine":
+        return EngineTarget(options=options, executor="torch", preset="tiny", device="cpu", log_dir=log_dir)
+    return VllmTarget(options=options, model=ckpt, platform="cpu", log_dir=log_dir,
+                      env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"})
+
+
+def track_servers(target) -> list:
+    """Every server the target makes, so main's finally can stop them: a ManagedServer whose start
+    is cut short (SIGTERM, Ctrl-C while it waits for /health) raises out of __enter__, so no
+    __exit__ stops it and the server lives on (see the report of issue 22)."""
+    made, server = [], target.server
+
+    def tracked(config):
+        made.append(server(config))
+        return made[-1]
+    target.server = tracked
+    return made
+
+
+def run_grid(target, configs: list[dict], base: EngineConfig, workload, objective, repeats: int) -> dict:
+    """{key: {"params", "values": [goodput or None], "feasible": [...], "preemptions": [...], "doubts": [...]}}"""
+    out = {key(p): {"params": p, "values": [], "feasible": [], "preemptions": [], "doubts": [], "errors": []}
+           for p in configs}
+    n, total, t0 = 0, repeats * len(configs), time.perf_counter()
+    for r in range(repeats):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]  # interleaved, rotated per round
+        for params in order:
+            cell, n = out[key(params)], n + 1
+            try:
+                values, sc, result = objective.evaluate(target.run, dataclasses.replace(base, **params),
+                                                        workload)
+                cell["values"].append(values[0])
+                cell["feasible"].append(sc.feasible)
+                cell["preemptions"].append(result.summary.get("preemptions"))
+                cell["doubts"] += run_doubts(result, sc)
+                what = f"goodput {values[0]:.2f} req/s{'' if sc.feasible else ' (misses SLOs)'}, " \
+                       f"{result.summary.get('preemptions')} preemptions"
+            except (TargetStartError, TargetRunError) as err:
+                cell["values"].append(None)
+                cell["errors"].append(str(err).splitlines()[0])
+                what = f"failed: {cell['errors'][-1]}"
+            log(f"  grid {n}/{total} ({time.perf_counter() - t0:.0f} s) round {r + 1} {label(params)}: {what}")
+    return out
+
+
+def sim_target(profile_db: str | None, profile: str | None) -> SimTarget:
+    """The presets' simulator (tiny on cpu), or one with a calibrated cost profile."""
+    if not profile:
+        return SimTarget(model_preset("tiny"), device_preset("cpu"))
+    from kvtune.calibrate import get_profile
+    prof = get_profile(profile_db, profile)
+    model, device = prof.specs()
+    return SimTarget(model, device, prof.coefficients, prof.client_overhead_s, prof.client_overhead_busy_s)
+
+
+def calibrate(args, db: str, log_dir: Path) -> str | None:
+    """`kvtune calibrate` of the grid's server on the grid's pool into `db`; the profile's name, or
+    None where kvtune refused the fit (then nothing was saved and the presets' simulator is used)."""
+    cmd = [PY, "-m", "kvtune", "calibrate", "--target", args.server, "--name", "truth", "--db", db,
+           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(args.pool_bytes),
+           "--server-log-dir", str(log_dir)] + (["--quick"] if args.quick else [])
+    if args.server == "vllm":
+        cmd += ["--model", args.ckpt, "--vllm-platform", "cpu", "--preset", "tiny", "--device", "cpu"]
+    log("calibrate: " + " ".join(cmd))
+    proc = child(cmd)
+    if proc.returncode != 0 or "nothing saved" in proc.stdout:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+        print(f"note: kvtune calibrate saved no profile (exit {proc.returncode}); the simulator runs on the "
+              f"presets. Its last lines:\n{tail}")
+        return None
+    return "truth"
+
+
+def sim_values(configs: list[dict], base: EngineConfig, workload, objective, sim: SimTarget) -> dict:
+    out = {}
+    for params in configs:
+        try:
+            values, _, _ = objective.evaluate(sim.run, dataclasses.replace(base, **params), workload)
+            out[key(params)] = values[0]
+        except (TargetStartError, TargetRunError):
+            out[key(params)] = 0.0
+    return out
+
+
+def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, grid_runs: int) -> tuple[dict | None, str]:
+    blocks, seqs, dtypes = args.grid
+    budget = args.live_budget or grid_runs // 4
+    top_k = args.top_k or max(1, budget // 3 - 1)
+    args.search_top_k, args.search_budget = top_k, budget
+    cmd = [PY, "-m", "kvtune", "search", "--server-args", f"--kv-cache-memory-bytes {pool}", "--workload", str(trace), "--target", args.server, "--max-model-len", str(MAX_MODEL_LEN),
+           "--top-k", str(top_k), "--repeats", "3", "--live-budget", str(budget), "--trials", str(args.trials),
+           "--space", f"block_size={','.join(map(str, blocks))}", "--space", f"max_num_seqs={','.join(map(str, seqs))}",
+           "--space", f"kv_cache_dtype={','.join(dtypes)}",
+           "--db", f"sqlite:///{workdir / 'search.db'}", "--study", "truth", "--no-report", "--json",
+           "--server-log-dir", str(workdir / "search-logs")]
+    for slo in args.slo:
+        cmd += ["--slo", slo]
+    if args.profile:
+        cmd += ["--profile", args.profile]  # its model and device replace --preset/--device
+    if args.server == "engine":
+        cmd += ["--executor", "torch", "--preset", "tiny", "--device", "cpu"]
+    else:
+        cmd += ["--model", ckpt, "--vllm-platform", "cpu", "--preset", "tiny", "--device", "cpu",
+                "--server-env", "HF_HUB_OFFLINE=1"]
+    log(f"search: {' '.join(cmd)}")
+    proc = child(cmd, cwd=workdir)
+    text = proc.stdout + ("\n" + proc.stderr if proc.stderr.strip() else "")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    try:
+        return json.loads(lines[-1]), text
+    except (IndexError, ValueError):
+        return None, text + f"\n(exit {proc.returncode})"
+
+
+def kendall(xs: list[float], ys: list[float]) -> float | None:
+    try:
+        from scipy.stats import kendalltau
+        tau = kendalltau(xs, ys).statistic
+    except ImportError:  # tau-a, O(n^2)
+        n = len(xs)
+        s = sum((1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) > 0 else -1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) < 0 else 0)
+                for i in range(n) for j in range(i + 1, n))
+        tau = s / (n * (n - 1) / 2) if n > 1 else float("nan")
+    return None if tau is None or not math.isfinite(tau) else float(tau)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", choices=("engine", "vllm"), default="engine")
+    ap.add_argument("--quick", action="store_true", help="12 configs x 3 runs (about 10 minutes on the engine)")
+    ap.add_argument("--repeats", type=int, default=3, help="grid runs per config (default: 3)")
+    ap.add_argument("--requests", type=int, default=None, help="default: 32 (--quick), 48")
+    ap.add_argument("--rate", type=float, default=16.0)
+    ap.add_argument("--input-len", default="96-192")
+    ap.add_argument("--output-len", default="24-48")
+    ap.add_argument("--pool-bytes", type=int, default=2 << 20, help="the fixed KV pool (default: 2 MiB)")
+    ap.add_argument("--slo", action="append", default=None, help="default: ttft_p95=2s, tpot_p95=150ms")
+    ap.add_argument("--trials", type=int, default=None, help="stage-1 trials (default: 24 --quick, 48)")
+    ap.add_argument("--top-k", type=int, default=None,
+                    help="stage-2 configs besides the default (default: what 3 runs each fit in the budget)")
+    ap.add_argument("--blocks", help="override the grid's block sizes, e.g. 32,128")
+    ap.add_argument("--seqs", help="override the grid's max_num_seqs values, e.g. 8,128")
+    ap.add_argument("--dtypes", help="override the grid's kv_cache_dtype values, e.g. auto,fp8")
+    ap.add_argument("--live-budget", type=int, default=None, help="default: a quarter of the grid's runs")
+    ap.add_argument("--no-search", action="store_true", help="the grid and the simulator only")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="first `kvtune calibrate` the server (on the grid's pool; --quick with --quick); its "
+                         "profile, if kvtune saves one, runs the simulator of the ranking and of stage 1")
+    ap.add_argument("--profile", metavar="NAME", help="a calibrated profile for the simulator (and stage 1)")
+    ap.add_argument("--profile-db", metavar="SQLITE_PATH", help="the sqlite file that holds --profile")
+    ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
+    args = ap.parse_args(argv)
+    if args.profile and not args.profile_db:
+        ap.error("--profile needs --profile-db (the sqlite file kvtune calibrate --db wrote it to)")
+    args.mode = "quick" if args.quick else "full"
+    args.slo = args.slo or ["ttft_p95=2s", "tpot_p95=150ms"]
+    args.requests = args.requests or (32 if args.quick else 48)
+    args.trials = args.trials or (24 if args.quick else 48)
+    blocks, seqs, dtypes = GRIDS[args.server][args.mode]
+    args.grid = (tuple(map(int, args.blocks.split(","))) if args.blocks else blocks,
+                 tuple(map(int, args.seqs.split(","))) if args.seqs else seqs,
+                 tuple(args.dtypes.split(",")) if args.dtypes else dtypes)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    objective = Objective("goodput", tuple(parse_slo(s) for s in args.slo))
+    t_start = time.perf_counter()
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvtune-truth-"))
+    trace = workdir / "trace.jsonl"
+    write_trace(trace, args)
+    workload = read_workload(str(trace))
+    ckpt = None
+    if args.server == "vllm":
+        sys.path.insert(0, str(REPO / "tests"))
+        from checkpoint import write_tiny_llama
+        ckpt = str(workdir / "ckpt")
+        write_tiny_llama(ckpt, dtype="float32")
+    for sub in ("grid-logs", "search-logs", "calibrate-logs"):
+        (workdir / sub).mkdir()
+    args.ckpt = ckpt
+    db = workdir / "search.db"  # the search's store; a profile it uses must be in it
+    if args.profile and args.profile_db:
+        shutil.copyfile(args.profile_db.removeprefix("sqlite:///"), db)
+    elif args.calibrate:
+        args.profile = calibrate(args, f"sqlite:///{db}", workdir / "calibrate-logs")
+    args.profile_db = f"sqlite:///{db}"
+    target = make_target(args, ckpt, str(workdir / "grid-logs"))
+    base = EngineConfig(max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=args.pool_bytes)
+    default = target.rules.default_config(base)
+    dkey = (default.block_size, default.max_num_seqs, default.kv_cache_dtype)
+    blocks, seqs, dtypes = args.grid
+    configs = [dict(zip(KNOBS, c)) for c in itertools.product(blocks, seqs, dtypes)]
+    if dkey not in {key(p) for p in configs}:
+        configs.append(dict(zip(KNOBS, dkey)))  # the grid always measures the default itself
+    grid_runs = len(configs) * args.repeats
+    print(f"# {args.server}: {len(workload)} requests over {workload.duration_s:.1f} s ({args.input_len} prompt, "
+          f"{args.output_len} output tokens), KV pool {args.pool_bytes} bytes, max-model-len {MAX_MODEL_LEN}, "
+          f"SLOs {', '.join(args.slo)}; grid {len(configs)} configs x {args.repeats} runs, interleaved, "
+          f"a server start per run; default {label(dict(zip(KNOBS, dkey)))}; work dir {workdir}", flush=True)
+
+    t_grid = time.perf_counter()
+    servers = track_servers(target)
+    try:
+        grid = run_grid(target, configs, base, workload, objective, args.repeats)
+    finally:
+        for server in servers:
+            server.stop()  # a no-op for those already stopped
+    grid_s = time.perf_counter() - t_grid
+    sims = sim_values(configs, base, workload, objective, sim_target(args.profile_db, args.profile))
+    ivs = {k: interval(c["values"]) for k, c in grid.items()}
+    measured = {k: iv for k, iv in ivs.items() if iv is not None}
+    if not measured:
+        print("error: no grid run completed; see the logs in " + str(workdir), file=sys.stderr)
+        return 1
+    best_key = max(measured, key=lambda k: measured[k].mean)
+    best, dflt = measured[best_key], ivs.get(dkey)
+
+    print(f"\ngrid ({grid_s:.0f} s): goodput req/s, mean [bootstrap interval] over runs; sim: one simulator run")
+    for k in sorted(grid, key=lambda k: -(ivs[k].mean if ivs[k] else -1)):
+        c, iv = grid[k], ivs[k]
+        prem = [p for p in c["preemptions"] if p is not None]
+        marks = (" <- default" if k == dkey else "") + (" <- best" if k == best_key else "")
+        figs = f"{iv.mean:6.2f} [{iv.lo:.2f}, {iv.hi:.2f}] n={iv.n}" if iv else "   -- no run completed"
+        print(f"  {label(c['params'])}  {figs}  meets SLOs {sum(c['feasible'])}/{len(c['values'])}  "
+              f"preemptions {sum(prem) / len(prem) if prem else float('nan'):.1f}  sim {sims[k]:.2f}{marks}"
+              + (f"  errors: {c['errors'][0]}" if c["errors"] else "")
+              + (f"  doubts: {len(c['doubts'])}" if c["doubts"] else ""))
+    doubts = Counter(re.sub(r"\d+", "N", d) for c in grid.values() for d in c["doubts"])
+    if doubts:
+        print(f"doubts kvtune raises on the grid's runs ({sum(doubts.values())} in {grid_runs} runs): "
+              + "; ".join(f"{n}x {d}" for d, n in doubts.most_common(3)))
+    grid_beats = dflt is None or (best_key != dkey and best.lo > dflt.hi)
+    print(f"grid: the best {'beats' if grid_beats else 'does not beat'} the default beyond the spread "
+          f"(best {best.mean:.2f} [{best.lo:.2f}, {best.hi:.2f}], default "
+          + (f"{dflt.mean:.2f} [{dflt.lo:.2f}, {dflt.hi:.2f}])" if dflt else "no run completed)"))
+
+    keys = [k for k in measured]
+    tau = kendall([sims[k] for k in keys], [measured[k].mean for k in keys])
+    print(f"Kendall's tau, simulator vs live grid means over {len(keys)} configs: "
+          f"{'n/a' if tau is None else f'{tau:.3f}'} (goal >= 0.7)")
+
+    out = {"server": args.server, "mode": args.mode, "grid_live_runs": grid_runs, "grid_s": round(grid_s, 1),
+           "sim": f"profile {args.profile}" if args.profile else "presets tiny/cpu",
+           "kendall_tau": None if tau is None else round(tau, 3), "grid_beats_default": grid_beats,
+           "best": dict(zip(KNOBS, best_key)), "default": dict(zip(KNOBS, dkey)),
+           "recommended_over_best": None, "tied_with_best": None, "verdict_right": None, "verdict": None,
+           "recommended": None, "live_runs_used": None,
+           "grid": [{**grid[k]["params"], "mean": iv.mean if iv else None, "lo": iv.lo if iv else None,
+                     "hi": iv.hi if iv else None, "n": iv.n if iv else 0, "sim": sims[k],
+                     "feasible_runs": sum(grid[k]["feasible"]), "doubts": len(grid[k]["doubts"])}
+                    for k, iv in ivs.items()]}
+    if not args.no_search:
+        t1 = time.perf_counter()
+        res, text = run_search(args, trace, workdir, ckpt, args.pool_bytes, grid_runs)
+        out["search_s"] = round(time.perf_counter() - t1, 1)
+        print(f"\nkvtune search ({out['search_s']:.0f} s), its output:")
+        print("\n".join("  " + ln for ln in text.splitlines() if ln.strip() and not ln.startswith("{")))
+        if res is None:
+            print("error: kvtune search printed no JSON line", file=sys.stderr)
+        else:
+            verdict, rec = res.get("verdict"), res.get("recommended")
+            out.update(verdict=verdict, recommended=rec, leader=res.get("leader"), live_runs_used=res.get("live_runs"),
+                       search_reasons=res.get("reasons"), search_top_k=args.search_top_k,
+                       search_live_budget=args.search_budget)
+            pick = rec or res.get("leader")
+            piv = ivs.get(key(pick)) if pick and all(k in pick for k in KNOBS) else None
+            if piv is not None:
+                out["recommended_over_best"] = round(piv.mean / best.mean, 3) if best.mean > 0 else None
+                out["tied_with_best"] = piv.overlaps(best)
+            out["recommended_is_leader"] = rec is None and pick is not None
+            right = ({"better", "smallest_change"} if grid_beats else {"keep_default", "inconclusive"})
+            out["verdict_right"] = verdict in right
+            print(f"\nverdict {verdict}; recommended {label(rec) if rec else None}"
+                  + (f" (leader {label(pick)})" if rec is None and pick else ""))
+            if piv is not None:
+                print(f"{'recommended' if rec else 'leader (nothing recommended)'}/best: {piv.mean:.2f} / "
+                      f"{best.mean:.2f} = {out['recommended_over_best']} "
+                      f"(goal >= 0.95, or tied: {'tied' if out['tied_with_best'] else 'not tied'} within the spread)")
+            print(f"verdict right: {out['verdict_right']} (the grid says {'beat' if grid_beats else 'keep'} the "
+                  f"default; right is {' or '.join(sorted(right))})")
+            print(f"live runs: search {out['live_runs_used']} vs grid {grid_runs} "
+                  f"({(out['live_runs_used'] or 0) / grid_runs:.0%})")
+    out["total_s"] = round(time.perf_counter() - t_start, 1)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (Stop, KeyboardInterrupt) as err:  # the servers and kvtune children were stopped on the way out
+        print(f"error: stopped ({err or 'interrupt'})", file=sys.stderr)
+        sys.exit(1)
