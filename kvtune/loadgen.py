@@ -132,6 +132,12 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
         for p in [master, *procs]:
             p.kill()
         log = (master.stdout.read() if master.stdout else "") + f"\nkilled after {timeout_s:.0f} s"
+    except BaseException:  # a signal or Ctrl-C: the load generator ends with kvtune
+        for p in [master, *procs]:
+            p.kill()
+            p.wait()
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     try:
         return _collect(out, samples, json_base, master.returncode if master.returncode is not None else -9,
                         log, workload_path)
