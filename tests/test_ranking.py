@@ -163,3 +163,9 @@ def test_search_refuses_a_target_that_does_not_serve_before_stage_1(tmp_path):
     assert "does not serve" in p.stderr and "nothing was searched" in p.stderr
     study = optuna.load_study(study_name="x", storage=f"sqlite:///{db}")
     assert not study.get_trials(states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL))
+
+
+def test_a_gain_under_two_percent_changes_no_flags_however_tight_its_runs():
+    live = runs(A, 3, [4.44, 4.44, 4.45]) + runs(DEFAULT, -1, [4.38, 4.39, 4.40])
+    verdict, _, _ = choose([], live, [SLO], DEFAULT)
+    assert verdict.kind == KEEP_DEFAULT

@@ -24,6 +24,7 @@ from .slo import SLO
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
 TOP_SIM_CANDIDATES = 5  # configs compared when no stage 2 ran
 SIM_TIE = 0.02  # stage-1 values this close to the best are one result: the model is not that exact
+MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, however tight its interval
 LEVEL = 0.95  # the intervals' confidence
 RESAMPLES = 2000
 
@@ -231,11 +232,12 @@ def _mean_or_none(iv: Interval | None) -> float | None:
 
 def separated(a: Candidate, b: Candidate, slos: list[SLO]) -> str | None:
     """Why `a` beats `b` beyond the spread of both, or None: its objective's interval lies above
-    b's, or it meets an SLO in every run that b misses in every run."""
+    b's (and its mean by more than MIN_GAIN: with a few runs a bootstrap interval can be narrower
+    than the noise), or it meets an SLO in every run that b misses in every run."""
     va, vb = a.spread.get("value"), b.spread.get("value")
     if va is None or vb is None or va.n < 2 or vb.n < 2:
         return None
-    if va.lo > vb.hi:
+    if va.lo > vb.hi and va.mean > vb.mean * (1 + MIN_GAIN):
         return f"its mean {va.mean:.3g} [{va.lo:.3g}, {va.hi:.3g}] is above the other's {vb.mean:.3g} [{vb.lo:.3g}, {vb.hi:.3g}]"
     for slo in slos:
         sa, sb = a.spread.get(slo.name), b.spread.get(slo.name)
