@@ -289,9 +289,8 @@ def _live_verdict(live, pair, default, slos, sim_done):
 
 def _sim_verdict(sim_done, pair, default, slos):
     ranked = sorted(sim_done, key=lambda m: rank_key(m, slos))
-    shown = [pair(m.params) for m in ranked[:TOP_SIM_CANDIDATES]]
     if not ranked:
-        return Verdict(None, None, None, kind=FAILED, reasons=["no stage-1 trial completed"]), shown
+        return Verdict(None, None, None, kind=FAILED, reasons=["no stage-1 trial completed"]), []
 
     def beyond_tie(a: Candidate, b: Candidate) -> str | None:
         if a.sim is None or b.sim is None:
@@ -304,7 +303,7 @@ def _sim_verdict(sim_done, pair, default, slos):
         return None
 
     ordered = [pair(m.params) for m in ranked]
-    return _decide("sim", ordered, default, slos, beyond_tie), shown
+    return _decide("sim", ordered, default, slos, beyond_tie), ordered[:TOP_SIM_CANDIDATES]
 
 
 def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list[SLO], beats) -> Verdict:

@@ -15,7 +15,7 @@ from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .objective import Objective
-from .ranking import BETTER, FAILED, INCONCLUSIVE, INFEASIBLE, Measurement, choose, combine
+from .ranking import BETTER, FAILED, INCONCLUSIVE, INFEASIBLE, SUMMARY_MEANS, Measurement, choose, combine
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
 from .validity import measured_on, run_doubts
@@ -140,9 +140,7 @@ def live_measurement(number: int, params: dict, run_id: int, result: RunResult) 
         stage="live", number=number, params=dict(params), state="COMPLETE", values=sc.get("values"),
         constraints=dict(sc.get("violations") or {}), run_id=run_id, goodput_rps=sc.get("goodput_rps"),
         throughput_rps=sc.get("throughput_rps"), observed=dict(sc.get("observed") or {}),
-        summary={k: summary.get(k) for k in ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95",
-                                             "tpot_p95", "e2e_p95", "prefix_hit_rate", "kv_usage_peak",
-                                             "preemptions")},
+        summary={k: summary.get(k) for k in SUMMARY_MEANS},
         target=result.target, measured_on=measured_on(result.target, result.device, result.config),
         repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []))
 
