@@ -52,7 +52,7 @@ from kvtune.workload import SynthSpec, parse_dist, synthesize
 # 0.4 ms a step) stay well under the 5% the recovery allows; fast compute keeps the long
 # prefills short, and attention still takes half of an 8k-token prefill.
 KNOWN = CostCoefficients(memory_efficiency=0.3, compute_efficiency=0.9, attention_efficiency=0.15,
-                         step_overhead_s=0.03, per_seq_overhead_s=1e-3)
+                         step_overhead_s=0.01, per_seq_overhead_s=1e-3)
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s")
 MODEL, DEVICE = "llama-3-8b", "h100-80gb"

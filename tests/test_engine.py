@@ -216,3 +216,23 @@ def test_an_arrival_costs_a_busy_step_its_frontend_overhead_and_an_idle_one_noth
     assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 1))
     assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 0) + 0.01)
     assert b.first_token_time == e.clock.now
+
+
+@pytest.mark.parametrize("coeffs", [CostCoefficients(), CostCoefficients(memory_efficiency=1e6),
+                                    CostCoefficients(**torch_attention_kernel("cpu"), per_prefill_overhead_s=1e-3,
+                                                     busy_arrival_overhead_s=2e-3)])
+def test_step_times_of_many_shapes_are_step_time_of_each(coeffs):
+    """The calibration fit's array pricing and the simulator's per-step pricing are one formula."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 4096, 500)
+    tokens[:10] = 0  # an empty step costs nothing
+    seqs = rng.integers(1, 256, 500)
+    shapes = np.stack([tokens, seqs, rng.integers(0, 10**6, 500), rng.integers(0, 10**8, 500), seqs,
+                       rng.integers(0, 8, 500), rng.integers(0, 8, 500), rng.integers(0, 10**6, 500),
+                       rng.integers(0, 10**6, 500)], axis=1)
+    assert shapes.shape[1] == len(STEP_SHAPE_FIELDS)
+    cost = StepCost.build(model_preset("tiny"), DEVICE, "auto", 16, coeffs)
+    scalar = [cost.step_time(*(int(v) for v in row)) for row in shapes]
+    assert cost.step_times(shapes.astype(float)) == pytest.approx(scalar, rel=1e-12, abs=0)
+    assert not cost.step_times(shapes[:10]).any()

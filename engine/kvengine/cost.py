@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+import numpy as np
+
 from .config import DeviceSpec, ModelSpec
 from .memory import kv_bytes_per_token
 
@@ -94,6 +96,25 @@ class CostCoefficients:
         """The coefficient's value, or the one it is tied to (TIED_TO) where it is None."""
         value = getattr(self, name)
         return getattr(self, TIED_TO[name]) if value is None else value
+
+
+# What a cost profile may hold (wider than kvtune's fit bounds): outside these the sim's steps
+# take ages or overflow the clock (an efficiency of 1e-300 makes a step 1e290 s long).
+RANGES = {"efficiency": (1e-6, 1e4), "_s": (0.0, 60.0), "block_overhead_tokens": (0.0, 1e6),
+          "attention_key_block": (0, 1 << 20)}
+
+
+def check_ranges(c: CostCoefficients) -> None:
+    """ValueError naming the first coefficient outside RANGES."""
+    for f in fields(c):
+        value = getattr(c, f.name)
+        bounds = next((b for suffix, b in RANGES.items() if f.name.endswith(suffix)), None)
+        if value is None or bounds is None:
+            continue
+        low, high = bounds
+        if not low <= value <= high:
+            show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
+            raise ValueError(f"{f.name} must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 
 # How the torch executor's prefill attention (model.Attention._prefill: sdpa) counts its pairs,
@@ -179,11 +200,24 @@ class StepCost:
         if num_tokens == 0:
             return 0.0
         samples = num_seqs if num_samples is None else num_samples
+        return self._seconds(max, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
+                             num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs)
+
+    def step_times(self, shapes: np.ndarray) -> np.ndarray:
+        """step_time of each row of `shapes` ([N, 9], step_time's arguments in order, all given),
+        as one array computation: a calibration fit prices every probe step thousands of times."""
+        columns = np.asarray(shapes, dtype=np.float64).T
+        seconds = self._seconds(np.maximum, *columns)
+        return np.where(columns[0] == 0, 0.0, seconds)
+
+    def _seconds(self, maximum, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
+                 num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs):
+        """The roofline of one step (or of arrays of them: `maximum` is max or np.maximum)."""
         mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
                + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
                    + ((attention_token_pairs - decode_token_pairs - context_chunk_pairs) / self.attention_flops_per_s
                       + decode_token_pairs / self.decode_attention_flops_per_s
                       + context_chunk_pairs / self.context_attention_flops_per_s) * self.attention_flops_per_pair)
-        return (max(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
+        return (maximum(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)

@@ -220,7 +220,7 @@ def coefficients_from(values: dict, base: CostCoefficients | None = None) -> Cos
 def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
                coeffs: CostCoefficients) -> np.ndarray:
     cost = StepCost.build(model, device, kv_cache_dtype, block_size, coeffs)
-    return np.array([cost.step_time(*(int(v) for v in shape)) for shape in shapes])
+    return cost.step_times(shapes)
 
 
 def predict(observations: list[Observation], times: np.ndarray, client_overhead_s: float,
