@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     # Fresh servers, because a pool that has wrapped is a slower server (see evictions).
     for name, workload in workloads(args.quick):
         port = free_port()
-        with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1"}) as server:
+        with ManagedServer(target.command(config, port), port, env={"OMP_NUM_THREADS": "1", "VLLM_SERVER_DEV_MODE": "1"}) as server:
             if not rows:
                 print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
             live_run = functools.partial(run_live, server.url, workload, "engine", args.preset, config, options,

@@ -15,7 +15,9 @@ SIM = ("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess(*SIM)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_SERVER_DEV_MODE", "1")  # for /reset_prefix_cache, as vLLM
+        proc = ServerProcess(*SIM)
     yield proc
     proc.stop()
 

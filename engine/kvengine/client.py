@@ -3,7 +3,8 @@
 Handlers submit commands (add, abort, reset); a reader thread receives each
 step's CoreOutputs, records its metrics, and hands every stream its events in
 one call onto the event loop. A core that dies, cleanly or killed, turns every
-open stream into a 503 error and the server stays up to say so.
+open stream into a 503 error, then calls `on_death` (the server's: it exits, as
+vLLM's frontend does, so a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class EngineClient:
         child_conn.close()
         self.info: EngineInfo = self._handshake(start_timeout_s)
         self.metrics = None  # set by the server before start(); records every step's stats
+        self.on_death = None  # called with the reason, from the reader thread, once the core is dead
         self.error: str | None = None
         self._send_lock = threading.Lock()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -143,6 +145,9 @@ class EngineClient:
             if not self._stopping:
                 self.process.join(1)
                 self._die(f"engine core died: its process exited (exit code {self.process.exitcode})")
+        except Exception as err:  # without this thread no token reaches a client: as good as dead
+            log.exception("the engine core's output reader failed")
+            self._die(f"engine core unreachable: its output reader failed: {err!r}")
 
     def _deliver(self, out: CoreOutputs) -> None:
         if self.metrics is not None:
@@ -172,6 +177,8 @@ class EngineClient:
         for done in self._replies.values():
             done.set_exception(RuntimeError(why))
         self._replies.clear()
+        if self.on_death is not None:
+            self.on_death(why)
 
 
 def _put_all(batch) -> None:

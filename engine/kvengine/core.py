@@ -110,6 +110,9 @@ class EngineCore:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival)
         except ValueError as err:  # checked by the frontend already; a race is still an answer
             out.tokens.append(TokenOutput(request_id, None, "error", error=str(err)))
+        except Exception as err:  # one request the frontend let through must not end the others
+            log.exception("refused request %s", request_id)
+            out.tokens.append(TokenOutput(request_id, None, "error", error=f"the engine refused it: {err!r}"))
 
     def _step(self, out: CoreOutputs) -> None:
         step = self.engine.step()

@@ -10,6 +10,8 @@ import re
 
 from .config import (BLOCK_SIZES, DEVICE_PRESETS, KV_CACHE_DTYPES, MODEL_PRESETS, EngineConfig,
                      device_preset, model_preset)
+from .limits import (MAX_N_SEQUENCES, MAX_NUM_QUEUED_REQS, MAX_REQUEST_BODY_BYTES, REQUEST_READ_TIMEOUT_S,
+                     ServerLimits)
 
 
 def add_model_flags(p: argparse.ArgumentParser, default_preset: str = "llama-3-8b",
@@ -117,7 +119,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="model name(s) in the API and the metrics' model_name label (the first one)")
-    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route")
+    g.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every /v1 route and every "
+                                     "route that changes state (POST /reset_prefix_cache)")
     g.add_argument("--seed", type=int, default=0, help="random weights and sampling seed (default: 0)")
     g.add_argument("--executor", choices=EXECUTORS, default="torch",
                    help="torch: real forward passes; sim: the cost model's latencies in wall-clock time "
@@ -131,3 +134,53 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "the roofline's")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    add_limit_flags(p)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one client may ask of the server; defaults no real workload reaches."""
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-n-sequences", type=_positive(int), default=MAX_N_SEQUENCES, metavar="N",
+                   help="largest `n` a request may ask for; vLLM's VLLM_MAX_N_SEQUENCES (16384 there) "
+                        "(default: %(default)s)")
+    g.add_argument("--max-num-queued-reqs", type=_count, default=MAX_NUM_QUEUED_REQS, metavar="N",
+                   help="most sequences in flight (waiting + running, a request with n counts n), as "
+                        "vLLM's flag; beyond it a request gets 503 with Retry-After; 0 = no limit "
+                        "(default: %(default)s)")
+    g.add_argument("--max-request-body-size", type=parse_size, default=MAX_REQUEST_BODY_BYTES, metavar="SIZE",
+                   help="largest request body, beyond it 413 (default: 32MiB)")
+    g.add_argument("--request-read-timeout", type=_positive(float), default=REQUEST_READ_TIMEOUT_S,
+                   metavar="SECONDS", help="a request's head and body must arrive within this time of its "
+                                           "first byte, else the connection is closed (default: %(default)s)")
+    g.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0, metavar="SECONDS",
+                   help="close an idle keep-alive connection after this; vLLM's "
+                        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default: %(default)s)")
+    g.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=4 << 20, metavar="SIZE",
+                   help="largest request head (request line and headers), as vLLM's flag (default: 4MiB)")
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    return ServerLimits(max_n_sequences=args.max_n_sequences, max_num_queued_reqs=args.max_num_queued_reqs,
+                        max_request_body_bytes=args.max_request_body_size)

@@ -20,6 +20,9 @@ ARCHITECTURES = {
 }
 
 
+REQUIRED_KEYS = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+
+
 class CheckpointError(ValueError):
     """The folder is not a checkpoint this engine can load; the message says why."""
 
@@ -35,8 +38,18 @@ def _folder(path) -> Path:
     return p
 
 
+def _read_json(path, f: Path) -> dict:
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: {f.name} is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {f.name} is not a JSON object")
+    return data
+
+
 def read_config(path) -> dict:
-    return json.loads((_folder(path) / "config.json").read_text())
+    return _read_json(path, _folder(path) / "config.json")
 
 
 def _first(value):
@@ -60,6 +73,9 @@ def model_spec_from_hf(path, name: str | None = None) -> ModelSpec:
             f"{path}: model_type {cfg.get('model_type')!r} / architectures "
             f"{cfg.get('architectures')!r} is not a Llama, Mistral or Qwen2 decoder")
     family = ARCHITECTURES[arch]
+    missing = [k for k in REQUIRED_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
+    if missing:
+        raise CheckpointError(f"{path}: config.json lacks whole-number {', '.join(missing)}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
@@ -107,7 +123,10 @@ def safetensors_files(path) -> list[Path]:
     folder = _folder(path)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(path, index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path}: {index.name} has no weight_map object")
+        names = sorted(set(map(str, weight_map.values())))
         files = [folder / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -125,7 +144,10 @@ def load_hf_state_dict(path) -> dict[str, torch.Tensor]:
 
     weights: dict[str, torch.Tensor] = {}
     for f in safetensors_files(path):
-        weights.update(load_file(str(f), device="cpu"))
+        try:
+            weights.update(load_file(str(f), device="cpu"))
+        except Exception as err:  # SafetensorError (truncated, a bad header), OSError
+            raise CheckpointError(f"{path}: {f.name} is not a readable safetensors file ({err})") from None
     # Checkpoints saved from the bare model (no `model.` prefix) load too.
     if "model.embed_tokens.weight" not in weights and "embed_tokens.weight" in weights:
         weights = {(k if k.startswith("lm_head") else "model." + k): v for k, v in weights.items()}

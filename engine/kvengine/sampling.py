@@ -61,7 +61,8 @@ class Sampler:
     def _request_generator(self, req: Request) -> torch.Generator:
         entry = self.seeded.get(req.request_id)
         if entry is None or entry[0] is not req:
-            gen = torch.Generator(self.device).manual_seed(req.sampling_params.seed)
+            # torch takes [-2**63, 2**64); a negative seed means the same as its 64-bit pattern
+            gen = torch.Generator(self.device).manual_seed(req.sampling_params.seed & 0xFFFF_FFFF_FFFF_FFFF)
             entry = self.seeded[req.request_id] = (req, gen)
         return entry[1]
 
@@ -82,7 +83,7 @@ class Sampler:
         x = logits[idx]
         temps = torch.tensor([params[i].temperature for i in rows], device=x.device)
         x.div_(temps[:, None])
-        top_k = [params[i].top_k for i in rows]
+        top_k = [min(params[i].top_k, x.shape[-1]) for i in rows]  # k >= vocab keeps all: an int64 always
         top_p = [params[i].top_p for i in rows]
         x = apply_top_k_top_p(
             x,

@@ -5,18 +5,24 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+import threading
 
 from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from .clock import WallClock
 from .config import ConfigError, device_preset, model_preset
-from .cost import CostCoefficients
+from .cost import CostCoefficients, check_ranges
 from .engine import LLMEngine
-from .flags import config_from_args
+from .flags import config_from_args, limits_from_args
 from .client import EngineClient
 from .core import GIL_SWITCH_INTERVAL_S
 from .metrics import EngineMetrics
-from .server import ServerState, create_app
+from .server import ServerState, create_app, timed_protocol
+
+# After the engine core dies, in-flight streams get their 503 error chunk; a connection still
+# open this long after is cut, so the exit (and the supervisor's restart) comes promptly.
+DEATH_GRACE_S = 5.0
 
 
 def load_coefficients(path: str | None) -> CostCoefficients | None:
@@ -34,9 +40,11 @@ def load_coefficients(path: str | None) -> CostCoefficients | None:
     if not isinstance(data, dict) or set(data) - known:
         raise ConfigError(f"--cost-profile {path}: expected an object with some of {', '.join(sorted(known))}")
     try:
-        return CostCoefficients(**data)
+        coefficients = CostCoefficients(**data)
+        check_ranges(coefficients)
     except ValueError as err:
         raise ConfigError(f"--cost-profile {path}: {err}") from None
+    return coefficients
 
 
 def build_engine(args):
@@ -84,10 +92,13 @@ def build_state(args) -> ServerState:
     name = (args.served_model_name or [args.model or engine.info.model_name])[0]
     engine.metrics = EngineMetrics(name, engine.info,
                                    user_specified_block_size=args.block_size is not None)
-    return ServerState(engine, name, engine.info.model_name, args.api_key, template)
+    return ServerState(engine, name, engine.info.model_name, args.api_key, template,
+                       limits=limits_from_args(args))
 
 
 def serve(args) -> int:
+    """Serve until stopped (0), or until the engine core dies (1: as vLLM's frontend on an
+    EngineDeadError, unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it answering 503)."""
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -96,12 +107,28 @@ def serve(args) -> int:
     for line in state.engine.info.memory_log_lines:
         log.info(line)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the reader thread hands tokens on without a 5 ms wait
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(state), host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        http=timed_protocol(args.request_read_timeout), timeout_keep_alive=args.timeout_keep_alive,
+        h11_max_incomplete_event_size=args.h11_max_incomplete_event_size))
+    died = threading.Event()
+    if os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH") != "1":
+        state.engine.on_death = lambda why: _stop_on_death(server, died, why, log)
     state.engine.start()
-    app = create_app(state)
     log.info("serving %s on http://%s:%d (executor %s, engine core pid %d)", state.served_model_name,
              args.host, args.port, args.executor, state.engine.process.pid)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+        server.run()
     finally:
         state.engine.shutdown()
-    return 0
+    return 1 if died.is_set() or not server.started else 0
+
+
+def _stop_on_death(server, died: threading.Event, why: str, log) -> None:
+    """From the engine client's reader thread: shut the HTTP server down, then cut it short."""
+    log.error("shutting down: %s", why)
+    died.set()
+    server.should_exit = True
+    timer = threading.Timer(DEATH_GRACE_S, lambda: setattr(server, "force_exit", True))
+    timer.daemon = True
+    timer.start()

@@ -1,28 +1,35 @@
 """The OpenAI-compatible HTTP server, indistinguishable from `vllm serve` to clients.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health, GET /version, GET /load, GET /metrics, POST /reset_prefix_cache.
-Handlers parse and check a request, hand it to the engine core, and stream
-its tokens back; a client that goes away aborts its requests.
+GET /health, GET /version, GET /load, GET /metrics, and with VLLM_SERVER_DEV_MODE=1
+(as vLLM) POST /reset_prefix_cache. Handlers parse and check a request, hand it
+to the engine core, and stream its tokens back. A client that goes away, streaming
+or not, aborts its requests: the guard middleware aborts whatever a request left
+unfinished once its ASGI call ends, however it ends.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
+import h11
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import __version__
 from .chat_template import ChatTemplate
 from .client import EngineClient, Event
-from .limits import check_max_tokens, check_prompt_length, clamp_max_tokens
+from .limits import (REQUEST_READ_TIMEOUT_S, ServerLimits, check_capacity, check_max_tokens, check_n,
+                     check_prompt_length, clamp_max_tokens)
 from .metrics import CONTENT_TYPE
 from .protocol import (APIError, GenerationRequest, bad, new_id, now_s, parse_chat, parse_completion,
-                       render_chat, usage)
+                       parse_json, render_chat, usage)
 from .request import RequestStatus
 
 log = logging.getLogger("kvengine.server")
@@ -73,6 +80,7 @@ class Generation:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.choices: list[Choice] = []
         self.prompt_tokens = 0
+        self.closed = False  # aborted what was left: nothing more is sent for it
 
     def start(self) -> None:
         """Check every prompt first (a 400 must come before any streaming), then submit."""
@@ -80,6 +88,8 @@ class Generation:
         max_len = self.server.engine.info.config.max_model_len
         req = self.req
         check_max_tokens(req.max_tokens, max_len, req.max_tokens_param)
+        if any(t < 0 or t >= tok.vocab_size for t in req.stop_token_ids):
+            raise bad("stop_token_ids", f"stop_token_ids must be in [0, {tok.vocab_size})")
         encoded = []
         for i, prompt in enumerate(req.prompts):
             ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -89,6 +99,7 @@ class Generation:
             if any(t < 0 or t >= tok.vocab_size for t in ids):
                 raise bad("prompt", f"prompt {i}: token ids must be in [0, {tok.vocab_size})")
             encoded.append((ids, clamp_max_tokens(len(ids), req.max_tokens, max_len)))
+        check_capacity(len(encoded) * req.n, self.server.engine.num_unfinished, self.server.limits, req.n)
         base = new_id("req")
         for i, (ids, max_tokens) in enumerate(encoded):
             self.prompt_tokens += len(ids)
@@ -96,8 +107,11 @@ class Generation:
                 index = i * self.req.n + j
                 choice = Choice(index, f"{base}-{index}", Detokenizer(tok), prompt_tokens=len(ids))
                 self.choices.append(choice)
-                self.server.engine.add(choice.engine_id, ids, self.req.sampling_params(max_tokens, j),
-                                     self.events, index)
+                try:
+                    self.server.engine.add(choice.engine_id, ids, self.req.sampling_params(max_tokens, j),
+                                           self.events, index)
+                except RuntimeError as err:  # the core died under us
+                    raise APIError(503, str(err)) from None
 
     async def deltas(self):
         """Yield (choice, new text) until every choice is done; stop strings end a choice."""
@@ -141,11 +155,16 @@ class Generation:
         return token_id if token_id in self.req.stop_token_ids else None
 
     def abort_unfinished(self) -> None:
-        if not self.server.engine.alive:
+        """Abort every choice not done yet (once: later calls send nothing)."""
+        if self.closed or not self.server.engine.alive:
             return  # a dead core holds nothing to free
-        for choice in self.choices:
-            if not choice.done:
-                self.server.engine.abort(choice.engine_id)
+        self.closed = True
+        try:
+            for choice in self.choices:
+                if not choice.done:
+                    self.server.engine.abort(choice.engine_id)
+        except RuntimeError:  # the core died meanwhile: it holds nothing either
+            pass
 
     @property
     def completion_tokens(self) -> int:
@@ -159,6 +178,8 @@ class ServerState:
     model_root: str
     api_key: str | None = None
     chat_template: ChatTemplate | None = None  # the checkpoint's; None: protocol.render_chat
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    dev_mode: bool = field(default_factory=lambda: os.environ.get("VLLM_SERVER_DEV_MODE") == "1")
 
     def render_chat(self, messages: list[dict]) -> str:
         if self.chat_template is None:
@@ -178,31 +199,118 @@ def sse(payload) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+GENERATIONS = "kvengine.generations"  # the scope key of a request's Generations
+
+
+class Guard:
+    """The API key and dead-engine checks, a 500 for a handler bug, and the abort of what a
+    request left unfinished. Pure ASGI rather than BaseHTTPMiddleware, so its `finally` runs
+    when the request's ASGI call ends, however it ends: behind BaseHTTPMiddleware a disconnect
+    could leave a streaming body's generator suspended, never closed, its abort never run."""
+
+    def __init__(self, app, state: "ServerState"):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        generations = scope[GENERATIONS] = []
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except ClientDisconnect:
+            pass  # nobody is left to answer
+        except Exception as err:  # a handler bug is a 500 for that request, never a dead server
+            log.exception("unhandled error on %s", scope["path"])
+            if not started:
+                await _error(APIError(500, f"internal error: {err!r}"))(scope, receive, send)
+        finally:
+            for gen in generations:
+                gen.abort_unfinished()
+
+    def refusal(self, scope) -> Response | None:
+        """vLLM's --api-key guards /v1; here it also guards every route that changes state."""
+        path, method, state = scope["path"], scope["method"], self.state
+        guarded = method != "OPTIONS" and (path.startswith("/v1") or method not in ("GET", "HEAD"))
+        if state.api_key and guarded:  # OPTIONS stays open, as vLLM's, for CORS preflights
+            headers = dict((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"])
+            if headers.get("authorization") != f"Bearer {state.api_key}":
+                return _error(APIError(401, "Unauthorized"))
+        if path.startswith("/v1") and not state.engine.alive:
+            return _error(APIError(503, "The engine core is not running."))
+        return None
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request to arrive, head and body:
+    `read_timeout_s` from its first byte (or from the connection opening). uvicorn times
+    out only an idle keep-alive connection, and any byte resets that, so a client that
+    sends half a header would otherwise hold its connection, and its slot, for good."""
+
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_timer = None
+        self._arm_read_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._read_timer is None and self.conn.their_state is h11.IDLE:
+            self._arm_read_timer()  # the first bytes of the next request
+        super().data_received(data)
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            self._disarm_read_timer()  # it has all arrived
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_read_timer()
+        super().connection_lost(exc)
+
+    def _arm_read_timer(self) -> None:
+        self._disarm_read_timer()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _disarm_read_timer(self) -> None:
+        if getattr(self, "_read_timer", None) is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()  # a handler reading the body sees a disconnect
+
+
+def timed_protocol(read_timeout_s: float) -> type[TimedH11Protocol]:
+    """The protocol class for uvicorn's `http=`, with this read deadline."""
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"read_timeout_s": read_timeout_s})
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvengine", version=__version__)
     app.state.server = state
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return _error(err)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, err: RequestValidationError):
-        return JSONResponse(APIError(400, str(err)).body(), status_code=400)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if path.startswith("/v1"):
-            if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(APIError(401, "Unauthorized").body(), status_code=401)
-            if not state.engine.alive:
-                return JSONResponse(APIError(503, "The engine core is not running.").body(), status_code=503)
-        try:
-            return await call_next(request)
-        except Exception as err:  # a handler bug is a 500 for that request, never a dead server
-            log.exception("unhandled error on %s", path)
-            return JSONResponse(APIError(500, f"internal error: {err!r}").body(), status_code=500)
+        return _error(APIError(400, str(err)))
 
     @app.get("/health")
     async def health():
@@ -231,19 +339,20 @@ def create_app(state: ServerState) -> FastAPI:
                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                             "organization": "*", "group": None, "is_blocking": False}]}]}
 
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        ok = await asyncio.wrap_future(state.engine.reset_prefix_cache())
-        if not ok:
-            raise APIError(409, "The prefix cache can only be reset while no request holds KV blocks.")
-        return Response(status_code=200)
+    if state.dev_mode:  # vLLM registers its cache resets only in dev mode
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            ok = await asyncio.wrap_future(state.engine.reset_prefix_cache())
+            if not ok:
+                raise APIError(409, "The prefix cache can only be reset while no request holds KV blocks.")
+            return Response(status_code=200)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        gen = _begin(state, parse_completion(await _json(request)))
+        gen = _begin(request, state, parse_completion(await _json(request, state.limits)))
         if gen.req.stream:
             return _stream(gen, _completion_chunks(state, gen))
-        return await _collect(gen, "cmpl", lambda rid, created: {
+        return await _collect(request, gen, "cmpl", lambda rid, created: {
             "id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
                          "stop_reason": c.stop_reason} for c in gen.choices],
@@ -251,11 +360,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req, _ = parse_chat(await _json(request), state.render_chat)
-        gen = _begin(state, req)
+        req, _ = parse_chat(await _json(request, state.limits), state.render_chat)
+        gen = _begin(request, state, req)
         if gen.req.stream:
             return _stream(gen, _chat_chunks(state, gen))
-        return await _collect(gen, "chatcmpl", lambda rid, created: {
+        return await _collect(request, gen, "chatcmpl", lambda rid, created: {
             "id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                          "logprobs": None, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -265,29 +374,83 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise bad(None, f"the request body is not valid JSON: {err}") from None
+async def _json(request: Request, limits: ServerLimits):
+    return parse_json(await _body(request, limits.max_request_body_bytes))
 
 
-def _begin(state: ServerState, req: GenerationRequest) -> Generation:
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) past `limit` bytes before more of it is read."""
+    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
+                              "(--max-request-body-size)")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _begin(request: Request, state: ServerState, req: GenerationRequest) -> Generation:
     if req.model is not None and req.model != state.served_model_name:
         raise APIError(404, f"The model `{req.model}` does not exist. "
                             f"Valid aliases: {state.served_model_name}.", "model")
+    check_n(req.n, state.limits)
     gen = Generation(state, req)
+    request.scope[GENERATIONS].append(gen)  # before start: what it adds, the guard aborts
     gen.start()
     return gen
 
 
-async def _collect(gen: Generation, id_prefix: str, build) -> dict:
+async def _client_gone(receive) -> None:
+    """Returns once the client has disconnected (the body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_done_or_gone(work, receive):
+    """Await `work` unless the client disconnects first (vLLM's disconnect watcher):
+    (True, its result), or (False, None) with `work` cancelled."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(receive))
     try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+async def _collect(request: Request, gen: Generation, id_prefix: str, build):
+    async def drain():
         async for _ in gen.deltas():
             pass
-    finally:
-        gen.abort_unfinished()  # the client went away before the answer was complete
+
+    done, _ = await _until_done_or_gone(drain(), request.receive)
+    if not done:  # the client gave up: the guard aborts what it left
+        return Response(status_code=499)
     return build(new_id(id_prefix), now_s())
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that end when the client leaves, whatever the ASGI spec version
+    (from 2.4 Starlette stops listening, and a request still queued sends nothing whose
+    failure would tell), and whose body generator is always closed, its `finally` run."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await _until_done_or_gone(self.stream_response(send), receive)
+        except OSError:  # a write to a closed connection
+            pass
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _stream(gen: Generation, chunks) -> StreamingResponse:
@@ -298,9 +461,9 @@ def _stream(gen: Generation, chunks) -> StreamingResponse:
         except APIError as err:  # vLLM sends an error chunk, then [DONE]
             yield sse(err.body())
         finally:
-            gen.abort_unfinished()  # also on a client disconnect (the generator is closed)
+            gen.abort_unfinished()
         yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return EventStream(body(), media_type="text/event-stream")
 
 
 def _usage_so_far(gen: Generation) -> dict:
