@@ -19,6 +19,7 @@ from .search.cli import add_search_command  # noqa: E402
 from .search.space import SpaceError  # noqa: E402
 from .search.study import StudyError  # noqa: E402
 from .store import StoreError  # noqa: E402
+from .targets.process import Terminated, signal_number  # noqa: E402
 from .ui.cli import add_ui_command  # noqa: E402
 from .workload import TraceError, add_trace_commands  # noqa: E402
 
@@ -38,29 +39,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP: unwind, so every server and load generator kvtune started is stopped."""
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOPPED = "the servers it started are stopped"
 
 
 def _on_signal(signum, _frame):
-    raise Terminated(signum)
+    for sig in SIGNALS:  # a second signal must not cut short the unwinding the first one started
+        signal.signal(sig, _ignore)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def _ignore(_signum, _frame):
+    pass
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _on_signal)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
+    try:
+        return _run(args)
+    finally:  # main() called in-process (tests) leaves the caller's handlers as they were
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+ERRORS = (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError)
+
+
+def _run(args) -> int:
     try:
         return args.func(args)
-    except (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
-        return 2
-    except Terminated as sig:
-        print(f"kvtune: stopped by signal {sig.args[0]}; the servers it started are stopped", file=sys.stderr)
-        return 128 + sig.args[0]
+    except BaseException as err:
+        signum = signal_number(err)  # first: an error raised while a signal unwound is the signal's
+        if signum is not None:
+            return _stopped(signum)
+        if isinstance(err, ERRORS):
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, OSError):
+            print(f"error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _stopped(signum: int) -> int:
+    """One line, and the shell's status for a command a signal ended (130 for Ctrl-C)."""
+    try:
+        print(f"kvtune: interrupted; {STOPPED}" if signum == signal.SIGINT else
+              f"kvtune: stopped by signal {signum} ({signal.Signals(signum).name}); {STOPPED}", file=sys.stderr)
+    except OSError:  # SIGHUP: the terminal may be gone
+        pass
+    return 128 + signum
 
 
 if __name__ == "__main__":

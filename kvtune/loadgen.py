@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,46 +104,78 @@ def _locust_cmd(host: str, workload: str, samples: str, model: str | None, users
 
 
 def run_load(host: str, workload_path: str, model: str | None = None, users: int = 256,
-             run_time_s: int = 600, workers: int = 0, timeout_s: float | None = None) -> LoadResult:
+             run_time_s: int = 600, workers: int = 0, timeout_s: float | None = None,
+             watch=None, watch_interval_s: float = 1.0) -> LoadResult:
     """Replay `workload_path` against `host` with Locust in subprocesses; `workers` > 0
-    runs a master and that many workers on loopback, each replaying its shard."""
+    runs a master and that many workers on loopback, each replaying its shard.
+
+    `watch()` is called every `watch_interval_s` while the replay runs; whatever it raises
+    (the server died) ends the replay at once and is raised from here."""
     out = tempfile.mkdtemp(prefix="kvtune-load-")
     samples, json_base = os.path.join(out, "samples"), os.path.join(out, "locust")
     shards = max(workers, 1)
     base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, json_base, shards)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     timeout_s = timeout_s or run_time_s + 60
-    if workers:
-        port = _free_port()
-        master = subprocess.Popen(base + ["--master", "--master-bind-host", "127.0.0.1",
-                                          "--master-bind-port", str(port), "--expect-workers", str(workers)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        worker_cmd = [a for a in base if a not in ("--headless",)]
-        procs = [subprocess.Popen(worker_cmd + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-                 for _ in range(workers)]
-    else:
-        master = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        procs = []
+    procs = []
     try:
-        log, _ = master.communicate(timeout=timeout_s)
+        with open(os.path.join(out, "master.log"), "w+") as log_file:  # a file: no pipe to fill up
+            master = _start_locust(base, workers, log_file, env, procs)
+            rc = _wait_locust(master, procs, timeout_s, watch, watch_interval_s)
+            log_file.seek(0)
+            log = log_file.read() + ("" if rc is not None else f"\nkilled after {timeout_s:.0f} s")
+    except BaseException:  # a signal, Ctrl-C, or the watch: the load generator ends with kvtune
         for p in procs:
-            p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        for p in [master, *procs]:
-            p.kill()
-        log = (master.stdout.read() if master.stdout else "") + f"\nkilled after {timeout_s:.0f} s"
-    except BaseException:  # a signal or Ctrl-C: the load generator ends with kvtune
-        for p in [master, *procs]:
             p.kill()
             p.wait()
         shutil.rmtree(out, ignore_errors=True)
         raise
     try:
-        return _collect(out, samples, json_base, master.returncode if master.returncode is not None else -9,
-                        log, workload_path)
+        return _collect(out, samples, json_base, rc if rc is not None else -9, log, workload_path)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _start_locust(base: list[str], workers: int, log_file, env: dict, procs: list) -> subprocess.Popen:
+    """The master (and its workers), appended to `procs` as each starts: the master first."""
+    if not workers:
+        procs.append(subprocess.Popen(base, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env))
+        return procs[0]
+    port = _free_port()
+    procs.append(subprocess.Popen(base + ["--master", "--master-bind-host", "127.0.0.1",
+                                          "--master-bind-port", str(port), "--expect-workers", str(workers)],
+                                  stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env))
+    worker_cmd = [a for a in base if a not in ("--headless",)]
+    for _ in range(workers):
+        procs.append(subprocess.Popen(worker_cmd + ["--worker", "--master-host", "127.0.0.1",
+                                                    "--master-port", str(port)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+    return procs[0]
+
+
+def _wait_locust(master: subprocess.Popen, procs: list, timeout_s: float, watch,
+                 interval_s: float) -> int | None:
+    """The master's exit status once it (and its workers) ended; None when killed at `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            master.wait(timeout=max(0.0, min(interval_s, deadline - time.monotonic())))
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                for p in procs:
+                    p.kill()
+                    p.wait()
+                return None
+            if watch is not None:
+                watch()
+    for p in procs[1:]:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # a worker the master could not stop
+            p.kill()
+            p.wait()
+    return master.returncode
 
 
 def _collect(out: str, samples_prefix: str, json_base: str, rc: int, log: str, workload_path: str) -> LoadResult:

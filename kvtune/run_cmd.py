@@ -12,6 +12,7 @@ from .results import RunResult
 from .store import Store, add_db_argument, resolve_db_url
 from .targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
 from .targets.build import add_server_flags, live_target
+from .targets.process import interruption
 from .targets.sim import config_dict
 from .workload import FORMATS, head, rate_scale, read_workload
 from .workload.cli import name_or_url, positive_float, positive_int
@@ -76,28 +77,29 @@ def build_target(args):
 
 def cmd_run(args) -> int:
     config = config_from_args(args)
+    db_url = resolve_db_url(args.db)
+    workload = _workload(args)  # a bad trace or flag fails before anything is created
     target, model_label, device = build_target(args)
     if args.target == "sim":
         config.resolve(target.model, target.device)  # bad flags fail before any work
     else:
         config.validate()
-    store = Store(resolve_db_url(args.db))
-    workload = _workload(args)
+    store = Store(db_url)
     url_target = isinstance(target, UrlTarget)
     run_id = store.start_run(target.name, model_label or args.target, device or "unknown",
                              config=None if url_target else config_dict(config))
     try:
         result = target.run(None if url_target else config, workload)
+        store.save_run(result, run_id=run_id)
     except (TargetStartError, TargetRunError) as err:
         store.mark_run(run_id, "failed", str(err))
         kind = "cannot start" if isinstance(err, TargetStartError) else "run failed"
         print(f"error: {target.name}: {kind}: {err}", file=sys.stderr)
         print(f"failed run {run_id} recorded in {store.display_url}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        store.mark_run(run_id, "failed", "interrupted")
+    except BaseException as err:  # a signal, Ctrl-C, a bug: the run row must not stay 'running'
+        store.mark_run(run_id, "failed", failure_reason(err))
         raise
-    store.save_run(result, run_id=run_id)
     if args.out:
         result.write_json(args.out)
     print(format_summary(result))
@@ -105,6 +107,12 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(result.summary | {"run_id": run_id}))
     return 0
+
+
+def failure_reason(err: BaseException) -> str:
+    """What a run row records when `err` ended it: 'interrupted by SIGTERM', or the error."""
+    signal_name = interruption(err)
+    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
 
 
 def _workload(args):

@@ -66,7 +66,7 @@ from .results import RequestRecord, RunResult
 
 DEFAULT_DB_URL = "sqlite:///kvtune.db"
 DB_ENV = "KVTUNE_DB"
-RUN_STATUSES = ("ok", "failed", "running")
+RUN_STATUSES = ("ok", "failed", "running")  # a run a signal stopped is 'failed', "interrupted by SIGTERM"
 TRIAL_STAGES = ("sim", "live")
 DETAILS = ("full", "summary")
 SUMMARY_POINTS = 200  # points per series of a run stored in summary

@@ -233,3 +233,71 @@ def test_sigterm_during_a_run_stops_the_server_kvtune_started(tmp_path):
     gone, alive = psutil.wait_procs(servers, timeout=20)
     assert not alive, [p.pid for p in alive]
     assert os.path.exists(tmp_path / "s.db")
+
+
+def _kill_once_it_answered(find, killed: dict, timeout_s: float = 60.0) -> None:
+    """SIGKILL the server `find()` gives as (url, pid) once it has finished a request."""
+    import os
+    import signal
+    import time
+
+    from serverproc import scrape
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = find()
+        try:
+            done = found and sum(v for k, v in scrape(found[0]).items() if k.startswith("vllm:request_success_total"))
+        except Exception:  # not listening yet
+            done = False
+        if done:
+            os.kill(found[1], signal.SIGKILL)
+            killed["at"] = time.monotonic()
+            return
+        time.sleep(0.1)
+
+
+def _ended_soon_after_the_kill(run, find, options: LiveOptions, workload: Workload, match: str) -> None:
+    """`run()` fails with `match` well before the replay's planned end (the last arrival: requests
+    to a dead server fail at once, so Locust would end there; the drain time comes on top)."""
+    import time
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_once_it_answered, args=(find, killed), daemon=True)
+    started = time.monotonic()
+    killer.start()
+    with pytest.raises(TargetRunError, match=match):
+        run()
+    ended = time.monotonic()
+    killer.join()
+    assert "at" in killed, "the server never answered a request"
+    left_s = workload.duration_s - (killed["at"] - started)  # arrivals still to come at the kill
+    assert left_s > 20 and ended - killed["at"] < left_s / 4, (ended - killed["at"], left_s)
+
+
+def _slow_arrivals() -> Workload:
+    return small_workload(n=30, rate=0.75)  # ~40 s of arrivals: the kill comes in the first few
+
+
+def test_a_url_target_whose_server_died_fails_well_before_the_replay_ends():
+    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb")
+    workload, options = _slow_arrivals(), LiveOptions(users=16, drain_timeout_s=10)
+    try:
+        _ended_soon_after_the_kill(lambda: UrlTarget(server.url, options).run(None, workload),
+                                   lambda: (server.url, server.proc.pid), options, workload,
+                                   "stopped answering during the run")
+    finally:
+        server.stop()
+
+
+def test_a_started_server_that_died_fails_the_run_well_before_the_replay_ends():
+    import psutil
+
+    def find():
+        for kid in psutil.Process().children():  # the server's leader, not its engine core
+            cmd = kid.cmdline()
+            if "serve" in cmd and "kvengine" in cmd:
+                return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", kid.pid
+        return None
+    workload, options = _slow_arrivals(), LiveOptions(users=16, drain_timeout_s=10)
+    target = EngineTarget(options, executor="sim", preset="llama-3-8b", device="l4-24gb")
+    _ended_soon_after_the_kill(lambda: target.run(EngineConfig(), workload), find, options, workload,
+                               r"the server died during the run \(exit status -9\)")

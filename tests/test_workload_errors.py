@@ -167,3 +167,43 @@ def test_mixed_hash_block_sizes_are_rejected(tmp_path):
 def test_unknown_format_name(tmp_path):
     with pytest.raises(ValueError, match="unknown trace format"):
         read_workload(write(tmp_path, "t.jsonl", GOOD), "parquet")
+
+
+AZURE_ROW = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,5,1\n2023-11-16 18:17:04.0,{},{}\n"
+BURST_ROW = "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n1,ChatGPT,3,5,8,API log\n2,ChatGPT,{},{},0,API log\n"
+
+
+@pytest.mark.parametrize("name, text, line, field", [
+    ("t.jsonl", jsonl(GOOD, '{"timestamp": 1, "input_length": 200000000, "output_length": 2}'), 2, "input_length"),
+    ("t.jsonl", jsonl(GOOD, '{"timestamp": 1, "input_length": 1e12, "output_length": 2}'), 2, "input_length"),
+    ("t.jsonl", jsonl(GOOD, '{"timestamp": 1, "input_length": 5, "output_length": 1e12}'), 2, "output_length"),
+    ("t.jsonl", jsonl('{"timestamp": 1, "input_length": 9999999, "output_length": 2}'), 1, "output_length"),
+    ("a.csv", AZURE_ROW.format(200000000, 1), 3, "ContextTokens"),
+    ("a.csv", AZURE_ROW.format(9999999, 2), 3, "GeneratedTokens"),
+    ("b.csv", BURST_ROW.format(3, 1000000000000), 3, "Response tokens"),
+    ("c.jsonl", '{"prompt": "hi", "output_tokens": 200000000}\n', 1, "output_tokens"),
+])
+def test_lengths_no_request_can_have_are_rejected_at_read_time(tmp_path, name, text, line, field):
+    path = write(tmp_path, name, text)
+    with pytest.raises(TraceError) as caught:
+        read_workload(path)
+    assert str(caught.value).startswith(f'{path}:{line}: field "{field}": expected ')
+    assert "10000000" in str(caught.value) and caught.value.field == field
+
+
+def test_a_sharegpt_conversation_too_long_for_one_request_is_rejected(tmp_path):
+    items = [{"id": "a", "conversations": [{"from": "human", "value": "x" * 10**7}, {"from": "gpt", "value": "y"}]}]
+    path = write(tmp_path, "s.json", json.dumps(items))
+    with pytest.raises(TraceError, match=r's\.json:1: field "conversations\[0\]\.value": expected .* within 10000000'):
+        read_workload(path)
+
+
+@pytest.mark.parametrize("command", [["run"], ["search", "--target", "none", "--trials", "2"]])
+def test_a_rejected_trace_creates_no_database(tmp_path, capsys, command):
+    from kvtune.cli import main
+    path = write(tmp_path, "huge.jsonl", jsonl(GOOD, '{"timestamp": 1, "input_length": 1e12, "output_length": 2}'))
+    db = tmp_path / "s.db"
+    assert main([*command, "--workload", str(path), "--db", f"sqlite:///{db}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f'error: {path}:2: field "input_length"'), err
+    assert not db.exists() and not list(tmp_path.glob("s.db*"))

@@ -98,6 +98,8 @@ def cmd_search(args) -> int:
     optional = tuple(name for name, on in (("max_num_batched_tokens", args.search_batched_tokens),
                                            ("enable_prefix_caching", args.search_prefix_caching)) if on)
     space = load_space(args.space_file, args.space, optional)
+    db_url = resolve_db_url(args.db)
+    workload = read_workload(args.workload, format=args.format)  # a bad trace fails before anything is made
     if args.profile:
         profile = get_profile(args.db, args.profile)
         model, device = profile.specs()
@@ -118,8 +120,6 @@ def cmd_search(args) -> int:
             notes.append(f"stage 1 sizes the KV pool as the live server does: {live.rules.pool_text}")
         for note in notes:
             print(f"note: {note}")
-    workload = read_workload(args.workload, format=args.format)
-    db_url = resolve_db_url(args.db)
     store = Store(db_url)
     name = _study_name(args)
     attrs = {"workload": args.workload, "preset": args.preset, "device": args.device, "profile": args.profile,

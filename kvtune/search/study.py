@@ -28,6 +28,7 @@ from kvengine.config import EngineConfig
 
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
+from ..targets.process import interruption
 from ..workload import rate_scale
 from .objective import Objective
 from .space import SearchSpace, check_config
@@ -128,6 +129,7 @@ def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
         if beats:
             continue
         try:
+            storage.set_trial_user_attr(trial._trial_id, "interrupted", True)  # it measured nothing
             storage.set_trial_user_attr(trial._trial_id, "fail_reason",
                                         "its search process died before the trial's first heartbeat")
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
@@ -137,10 +139,21 @@ def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
     return failed
 
 
+def counts(trial) -> bool:
+    """Whether a trial counts towards the requested number: measured (complete, or failed for a
+    reason of its config), or running right now. A surplus slot, an interrupted trial and one
+    whose process died (Optuna failed it as stale: no reason of ours) measured nothing."""
+    attrs = trial.user_attrs
+    if attrs.get("surplus") or attrs.get("interrupted"):
+        return False
+    if trial.state == TrialState.FAIL:
+        return "fail_reason" in attrs
+    return trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+
+
 def count_taken(study: optuna.Study) -> int:
-    """Trials that count towards the requested number: finished, or running right now."""
-    trials = study.get_trials(deepcopy=False, states=FINISHED + (TrialState.RUNNING,))
-    return sum(1 for t in trials if not t.user_attrs.get("surplus"))
+    """Trials that count towards the requested number (`counts`)."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED + (TrialState.RUNNING,)) if counts(t))
 
 
 @dataclass
@@ -164,6 +177,7 @@ class Stage1:
         self.run, self.workload, self.store, self.n_trials = run, workload, store, n_trials
         self.on_trial = on_trial or (lambda record: None)
         self._enqueued: dict | None = None
+        self._trial: optuna.Trial | None = None  # the trial this process runs (or ran last)
 
     def enqueue(self, params: dict) -> None:
         """A config to try first (vLLM's defaults), once per study."""
@@ -183,8 +197,13 @@ class Stage1:
         def slim(_study, _trial):
             self.slim_dropped_runs()
 
-        self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
-                            gc_after_trial=False)
+        try:
+            self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
+                                gc_after_trial=False)
+        except BaseException as err:
+            if interruption(err):
+                self._fail_interrupted(err)
+            raise
         self.slim_dropped_runs()
 
     def slim_dropped_runs(self) -> list[int]:
@@ -240,19 +259,58 @@ class Stage1:
         return "full" if number in keep else "summary"
 
     def _objective(self, trial: optuna.Trial):
-        if trial.number - self._surplus_before(trial.number) >= self.n_trials:
+        self._trial = trial
+        if self._counted_before(trial.number) >= self.n_trials:
             trial.set_user_attr("surplus", True)  # another process took the last slot
             self.study.stop()
             raise TrialFailed("surplus")
-        record = self._run_trial(trial)
+        try:
+            record = self._run_trial(trial)
+        except KeyboardInterrupt:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
+            trial.set_user_attr("interrupted", True)
+            trial.set_user_attr("fail_reason", "interrupted by SIGINT")
+            raise
         self.on_trial(record)
         if record.state == "FAIL":
             raise TrialFailed(record.reason)
         return record.values
 
-    def _surplus_before(self, number: int) -> int:
-        return sum(1 for t in self.study.get_trials(deepcopy=False)
-                   if t.number < number and t.user_attrs.get("surplus"))
+    def _counted_before(self, number: int) -> int:
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if t.number < number and counts(t))
+
+    def _fail_interrupted(self, err: BaseException) -> None:
+        """End the trial this process ran when `err` stopped it. Measured already (its row in the
+        trials table says so): finished as measured. Else FAIL in Optuna (Ctrl-C is failed by Optuna
+        itself, a SIGTERM would leave it RUNNING) and in the trials table, without its run, so that
+        it does not count and a resumed search measures another in its place."""
+        trial, self._trial = self._trial, None
+        if trial is None:
+            return
+        storage, reason = self.study._storage, f"interrupted by {interruption(err)}"
+        frozen = storage.get_trial(trial._trial_id)
+        row = next((r for r in self.store.list_trials(self.study.study_name, "sim") if r.number == frozen.number), None)
+        try:
+            if frozen.state == TrialState.RUNNING and row is not None:
+                complete = row.state == "COMPLETE"
+                storage.set_trial_state_values(trial._trial_id, TrialState.COMPLETE if complete else TrialState.FAIL,
+                                               row.values if complete else None)
+                return
+            if frozen.state == TrialState.RUNNING:
+                storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+                storage.set_trial_user_attr(trial._trial_id, "fail_reason", reason)
+                storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+            elif frozen.state != TrialState.FAIL or counts(frozen):
+                return  # it finished before the signal
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return
+        self._forget_run(frozen)
+        self.store.save_trial(self.study.study_name, frozen.number, "sim", "FAIL", dict(frozen.params), reason=reason)
+
+    def _forget_run(self, trial) -> None:
+        """The run an interrupted trial stored before it failed (a twin's run is the twin's)."""
+        run_id = trial.user_attrs.get("run_id")
+        if run_id is not None and "duplicate_of" not in trial.user_attrs:
+            self.store.delete_run(run_id)
 
     def _run_trial(self, trial: optuna.Trial) -> TrialRecord:
         params = self.space.suggest(trial)

@@ -32,6 +32,7 @@ class LiveOptions:
     model_name: str | None = None  # None: GET /v1/models
     device: str = "unknown"
     disagree_margin: float = 0.25  # client vs server p95 gap (relative) worth a warning
+    watch_interval_s: float = 1.0  # how often the replay checks that the server is still there
 
 
 def served_model(url: str) -> str:
@@ -69,7 +70,12 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
         except ScrapeError as err:
             raise TargetRunError(str(err)) from None
         run_time = math.ceil(workload.duration_s + options.drain_timeout_s)
-        load = run_load(url, path, model, options.users, run_time, options.workers)
+        try:
+            load = run_load(url, path, model, options.users, run_time, options.workers,
+                            watch=server_watch(url, check_alive), watch_interval_s=options.watch_interval_s)
+        except BaseException:  # the server died, or a signal: no last scrape of a server that is gone
+            scraper.stop(final_scrape=False)
+            raise
         log = scraper.stop()
     host_busy, host_others = hostcpu.host_shares(cpu0, hostcpu.read(server_pid))
     if check_alive is not None:
@@ -124,6 +130,34 @@ def server_config(asked: dict, reported: dict) -> tuple[dict, list[str]]:
 def _same_dtype(key: str, asked, used) -> bool:
     """fp8 is fp8_e4m3 on vLLM; auto may be reported as the model's dtype."""
     return key == "kv_cache_dtype" and (asked == "auto" or {asked, used} <= {"fp8", "fp8_e4m3"})
+
+
+REFUSALS_DEAD = 3  # connections refused in a row (one a watch interval): the server is gone
+
+
+def server_watch(url: str, check_alive=None, refusals_dead: int = REFUSALS_DEAD):
+    """A check for the replay to call while it runs: raises TargetRunError once `check_alive`
+    says the started server exited, or `url` refused `refusals_dead` connections in a row.
+    A slow answer is no refusal (a loaded server may take its time on /health)."""
+    refused = 0
+
+    def watch() -> None:
+        nonlocal refused
+        if check_alive is not None:
+            check_alive()
+        try:
+            requests.get(url + "/health", timeout=(2, 5))
+            refused = 0
+        except requests.Timeout:
+            pass
+        except requests.ConnectionError:
+            refused += 1
+            if refused >= refusals_dead:
+                raise TargetRunError(f"the server at {url} stopped answering during the run: "
+                                     f"{refused} connections to it in a row were refused") from None
+        except requests.RequestException:
+            refused = 0
+    return watch
 
 
 def _check_still_serving(url: str) -> None:

@@ -21,6 +21,33 @@ from .startlog import log_tail, read_log, root_cause
 START_TAIL_LINES = 10  # log lines a start error quotes after its root cause
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (its number is args[0]): unwind, so every server and load generator
+    kvtune started is stopped. Not an Exception, so no `except Exception` swallows it."""
+
+
+def interruption(err: BaseException | None) -> str | None:
+    """The signal that interrupted kvtune ("SIGTERM", "SIGINT"), or None when `err` is none.
+
+    An error raised while the signal unwound counts too: a library's cleanup that failed on
+    the way (Optuna's, cut short mid-`tell`, raises UnboundLocalError) hides the signal."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return "SIGINT"
+        if isinstance(err, Terminated) and err.args:
+            return signal.Signals(err.args[0]).name
+        seen.add(id(err))
+        err = err.__context__
+    return None
+
+
+def signal_number(err: BaseException) -> int | None:
+    """The number of the signal `interruption` finds in `err`."""
+    name = interruption(err)
+    return None if name is None else int(signal.Signals[name])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,8 +143,18 @@ class ManagedServer:
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL what is left."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        if proc.poll() is not None:  # the leader died on its own: what it spawned may live on
+            self._kill_leftovers()
+            return
+        try:
+            self._term_then_kill(proc, timeout_s)
+        except BaseException:  # a signal while waiting: the server must not outlive kvtune
+            self._kill_leftovers()
+            raise
+
+    def _term_then_kill(self, proc: subprocess.Popen, timeout_s: float) -> None:
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(proc.pid, sig)
@@ -125,6 +162,7 @@ class ManagedServer:
                 return
             try:
                 proc.wait(wait)
+                self._kill_leftovers()  # a child that ignored SIGTERM outlives its leader
                 return
             except subprocess.TimeoutExpired:
                 continue

@@ -42,11 +42,11 @@ def parse_row(row: list[str], columns: list[int]) -> tuple[int, int, int]:
     if len(row) < len(HEADER):
         raise RecordError(None, f"{len(HEADER)} columns ({','.join(HEADER)})", raw=f"{len(row)}")
     stamp, context, generated = (row[i] for i in columns)
-    return (
-        wall_clock_ns(stamp),
-        fields.positive_int(fields.cell(context), "ContextTokens"),
-        fields.positive_int(fields.cell(generated), "GeneratedTokens"),
-    )
+    arrival = wall_clock_ns(stamp)
+    input_length = fields.token_count(fields.cell(context), "ContextTokens")
+    output_length = fields.token_count(fields.cell(generated), "GeneratedTokens")
+    fields.request_size(input_length, output_length, "GeneratedTokens")
+    return arrival, input_length, output_length
 
 
 def wall_clock_ns(stamp: str) -> int:

@@ -38,10 +38,11 @@ def parse_row(row: list[str], columns: dict[str, int]) -> TraceRequest:
         raise RecordError(None, f"at least {width} columns", raw=f"{len(row)}")
     value = {name: fields.cell(row[columns[name]]) for name in REQUIRED}
     arrival = fields.timestamp(value["Timestamp"], "Timestamp", "seconds")
-    input_length = fields.positive_int(value["Request tokens"], "Request tokens")
+    input_length = fields.token_count(value["Request tokens"], "Request tokens")
     if value["Response tokens"] == 0:
         raise Unanswered()
-    output_length = fields.positive_int(value["Response tokens"], "Response tokens")
+    output_length = fields.token_count(value["Response tokens"], "Response tokens")
+    fields.request_size(input_length, output_length, "Response tokens")
     session = row[columns[SESSION]].strip() if SESSION in columns else ""
     return TraceRequest(arrival, input_length, output_length, session_id=session or None)
 

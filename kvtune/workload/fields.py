@@ -13,6 +13,9 @@ from .errors import RecordError
 from .model import blocks_for
 
 MISSING = "nothing (the field is missing)"
+# Prompt plus output tokens of one request. Its prompt's token ids are made in memory (8 bytes a
+# token, several copies): past this a trace line exhausts memory long before a server refuses it.
+MAX_REQUEST_TOKENS = 10**7
 
 
 def cell(raw: str) -> int | float | str:
@@ -40,6 +43,23 @@ def positive_int(value: Any, field: str) -> int:
     if number is None or number < 1:
         raise RecordError(field, "an integer >= 1", value)
     return number
+
+
+def token_count(value: Any, field: str) -> int:
+    """A length in tokens: an integer from 1 to MAX_REQUEST_TOKENS."""
+    number = positive_int(value, field)
+    if number > MAX_REQUEST_TOKENS:
+        raise RecordError(field, f"an integer from 1 to {MAX_REQUEST_TOKENS} (the most tokens kvtune "
+                                 "replays in one request)", value)
+    return number
+
+
+def request_size(input_length: int, output_length: int, field: str) -> None:
+    """Prompt and output together within MAX_REQUEST_TOKENS; `field` is the one blamed."""
+    if input_length + output_length > MAX_REQUEST_TOKENS:
+        raise RecordError(field, f"prompt ({input_length}) and output ({output_length}) tokens within "
+                                 f"{MAX_REQUEST_TOKENS} (the most kvtune replays in one request)",
+                          raw=str(input_length + output_length))
 
 
 def non_negative_int(value: Any, field: str) -> int:

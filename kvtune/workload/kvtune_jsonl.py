@@ -37,10 +37,11 @@ def parse_record(record: dict, hash_block_size: int) -> TraceRequest:
     _check_block_size(record, hash_block_size)
     timestamp_ms = fields.timestamp(
         fields.require(record, "timestamp", "a number of milliseconds >= 0"), "timestamp", "milliseconds")
-    input_length = fields.positive_int(
+    input_length = fields.token_count(
         fields.require(record, "input_length", "an integer >= 1"), "input_length")
-    output_length = fields.positive_int(
+    output_length = fields.token_count(
         fields.require(record, "output_length", "an integer >= 1"), "output_length")
+    fields.request_size(input_length, output_length, "output_length")
     raw_ids = record.get("hash_ids")
     hash_ids = None if raw_ids is None else fields.hash_ids(raw_ids, input_length, hash_block_size)
     prompt = fields.optional_text(record, "prompt")

@@ -56,6 +56,7 @@ def parse_conversation(item: object, index: int) -> tuple[list[TraceRequest], in
         prompt = "\n".join(texts[: i + 1])
         reply = texts[i + 1] if i + 1 < len(roles) and roles[i + 1] == "answer" else ""
         input_length, output_length = count_tokens(prompt), count_tokens(reply)
+        fields.request_size(input_length, output_length, f"conversations[{i}].value")
         if input_length and output_length:
             requests.append(TraceRequest(0.0, input_length, output_length,
                                          prompt=prompt, session_id=session))

@@ -28,6 +28,7 @@ def parse_line(line: str) -> TraceRequest:
     input_length = count_tokens(prompt)
     if input_length < 1:
         raise RecordError("prompt", "a non-empty prompt", prompt)
-    output_length = fields.positive_int(
+    output_length = fields.token_count(
         fields.require(record, "output_tokens", "an integer >= 1"), "output_tokens")
+    fields.request_size(input_length, output_length, "prompt")
     return TraceRequest(0.0, input_length, output_length, prompt=prompt)
