@@ -28,8 +28,9 @@ def test_other_work_on_the_host_is_told_apart_from_the_servers_own():
     one_core = 1 / (os.cpu_count() or 1)
     span = (ends[None].wall_s - starts[None].wall_s) / one_core
     spun = (ends[burner.pid].server_s - starts[burner.pid].server_s) / span  # its share of all CPUs
-    assert spun >= 0.3 * one_core and busy >= spun  # it spun (as much as a loaded host let it)
+    tick = 2 * 0.01 / span  # /proc/stat and a process's times count whole clock ticks
+    assert spun >= 0.3 * one_core and busy >= spun - tick  # it spun (as much as a loaded host let it)
     # the spinner is other work unless it is the server: the two readings differ by its own share
     assert abs((beside_idle - beside_burner) - spun) <= 0.1 * one_core
     unnamed_busy, unnamed_others = hostcpu.host_shares(starts[None], ends[None])
-    assert unnamed_busy >= spun and unnamed_others is None  # no server named: its share is unknown
+    assert unnamed_busy >= spun - tick and unnamed_others is None  # no server named: its share is unknown

@@ -188,6 +188,46 @@ def test_engine_target_stops_its_server():
     assert _engine_server_pids() <= before, "a kvengine server outlived its run"
 
 
+def test_the_checked_server_serves_the_next_run_of_its_config_and_no_other():
+    """A search checks its target with the default, then runs the default first: one start, not two.
+    A run of another config stops the checked server before its own starts (two never share a device)."""
+    target = EngineTarget(LiveOptions(users=8, drain_timeout_s=30), executor="sim", preset="llama-3-8b",
+                          device="h100-80gb")
+    workload = Workload([TraceRequest(0.1 * i, 50, 4) for i in range(6)])
+    snapshots: list[set] = []
+
+    def run_watched(config):
+        done = threading.Event()
+
+        def watch():
+            while not done.wait(0.05):
+                snapshots.append(_engine_server_pids() - before)
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            return target.run(config, workload)
+        finally:
+            done.set()
+            watcher.join()
+
+    before = _engine_server_pids()
+    target.check(EngineConfig())
+    (checked,) = _engine_server_pids() - before
+    assert run_watched(EngineConfig()).summary["completed"] == 6
+    assert set().union(*snapshots) == {checked}, "the run started a server of its own"
+    assert _engine_server_pids() <= before  # and stopped the one it took
+
+    target.check(EngineConfig())
+    (checked,) = _engine_server_pids() - before
+    snapshots.clear()
+    assert run_watched(EngineConfig(max_num_seqs=64)).summary["completed"] == 6
+    assert len(set().union(*snapshots) - {checked}) == 1 and _engine_server_pids() <= before
+    assert all(len(pids) <= 1 for pids in snapshots), "the checked server outlived the start of another"
+    target.check(EngineConfig())
+    target.close()  # a search that never runs its default stops the server all the same
+    assert _engine_server_pids() <= before
+
+
 def test_kvtune_run_engine_torch_end_to_end(tmp_path):
     """The real tiny model on the CPU behind kvengine serve: counts agree across clients, server and store."""
     trace = tmp_path / "t.jsonl"

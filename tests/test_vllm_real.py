@@ -166,8 +166,8 @@ def test_a_refused_block_size_is_diagnosed_by_its_cause(checkpoint, shared_prefi
 def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, tmp_path):
     path, _ = shared_prefix_trace
     db = f"sqlite:///{tmp_path}/s.db"
-    # One run per config keeps the suite's vLLM starts at three (the check, then two configs): with no
-    # spread to judge by, no config may be said to beat the default.
+    # One run per config keeps the suite's vLLM starts at two (the check's server runs the default,
+    # then the other config's): with no spread to judge by, no config may be said to beat the default.
     p = kvtune("search", "--workload", path, "--trials", "6", "--preset", "tiny", "--device", "cpu",
                "--max-model-len", MAX_MODEL_LEN, "--target", "vllm", "--model", checkpoint, "--top-k", "1",
                *server_flags(), "--live-head", "20", "--repeats", "1", "--max-repeats", "1",

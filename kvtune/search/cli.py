@@ -89,6 +89,15 @@ def _study_name(args) -> str:
 
 
 def cmd_search(args) -> int:
+    live_targets: list = []  # a server the target check kept for the first live run stops with the search
+    try:
+        return _search(args, live_targets)
+    finally:
+        for live in live_targets:
+            live.close()
+
+
+def _search(args, live_targets: list) -> int:
     try:
         slos = tuple(parse_slo(s) for s in args.slo)
         objective = Objective(args.objective, slos, latency=args.latency)
@@ -110,6 +119,7 @@ def cmd_search(args) -> int:
         sim = SimTarget(model, device)
     base = EngineConfig(max_model_len=args.max_model_len)
     live = _live_target(args) if args.target != "none" else None
+    live_targets += [live] if live is not None else []
     sim_base, default = base, base.resolve(model, device)
     if live is not None:
         # the live target's own rules: what it takes, what it runs when given no flags, its pool
@@ -135,7 +145,7 @@ def cmd_search(args) -> int:
     if representable(space, dflt):
         stage1.enqueue(dflt)
     if live is not None:
-        print(f"checking the {args.target} target: starting it with its default config")
+        print(f"checking the {args.target} target: starting it with its default config (kept for its first live run)")
         try:
             live.check(space.config(dflt, base))
         except (TargetStartError, TargetRunError) as err:
@@ -160,6 +170,7 @@ def cmd_search(args) -> int:
         if all(c.label != "default" for c in candidates):
             dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
             candidates.append(Candidate("default", dnum, dflt))
+        candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
         live_workload = head(workload, args.live_head) if args.live_head else workload
         plan = LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget)
         print(f"stage 2: {len(candidates)} configs on the {args.target} target, {plan.repeats}-{plan.max_repeats} "

@@ -135,6 +135,10 @@ class ManagedServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise TargetRunError(f"the server died during the run (exit status {self.proc.returncode}); "

@@ -5,6 +5,7 @@ itself (Locust replay + /metrics scrape -> RunResult) is `live.run_live`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -47,6 +48,7 @@ class _ServerTarget(ABC):
     start_timeout_s: float = 600.0
     env: dict = field(default_factory=dict)  # the server's environment on top of ours (--server-env)
     log_dir: str | None = None  # where the server's log is kept (default: a new temporary folder)
+    _kept: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (config, server) of check()
     name = "server"
 
     @abstractmethod
@@ -66,7 +68,7 @@ class _ServerTarget(ABC):
                              env={"OMP_NUM_THREADS": "1", **self.env}, log_dir=self.log_dir)
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
-        with self.server(config) as server:
+        with self._serving(config) as server:
             result = run_live(server.url, workload, self.name, self.model_label, config, self.options,
                               check_alive=server.check_alive, server_pid=server.pid)
         result.config["launch_env"] = self.rules.launch_env()
@@ -79,9 +81,37 @@ class _ServerTarget(ABC):
         return result
 
     def check(self, config: EngineConfig) -> None:
-        """Start the server with `config` and see it answer, before a search spends minutes on stage 1."""
-        with self.server(config) as server:
+        """Start the server with `config` and see it answer, before a search spends minutes on stage 1.
+        It stays up for the next run if that run is of the same config (a search's live stage starts
+        with the default), which saves a start; any other run, or close(), stops it first, so two
+        servers never share one device."""
+        self.close()
+        with contextlib.ExitStack() as started:
+            server = started.enter_context(self.server(config))
             served_model(server.url)
+            started.pop_all()  # answered: keep it running
+        self._kept = (config, server)
+
+    def close(self) -> None:
+        """Stop the server kept from check(), if no run took it."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept[1].stop()
+
+    @contextlib.contextmanager
+    def _serving(self, config: EngineConfig):
+        """The server for one run: the one check() kept, if it serves this config and still lives."""
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] == config and kept[1].alive:
+            try:
+                yield kept[1]
+            finally:
+                kept[1].stop()
+            return
+        if kept is not None:
+            kept[1].stop()
+        with self.server(config) as server:
+            yield server
 
     @property
     @abstractmethod
