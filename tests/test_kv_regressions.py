@@ -113,3 +113,19 @@ def test_fork_copies_a_shared_partial_block_on_write():
     assert kv.get_block_ids("c")[1] != shared[1]  # the partial one was copied
     assert kv.pending_copies == [(shared[1], kv.get_block_ids("c")[1])]
     assert kv.pool.blocks[shared[1]].ref_cnt == 1
+
+
+def test_a_huge_pool_makes_its_blocks_only_as_they_are_first_used_in_vllms_order():
+    """vLLM's initial free queue holds every block in id order, and a freed block joins its tail:
+    every never-used block is handed out before any freed one. Made lazily, in that order."""
+    pool = BlockPool(10**7)
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == 10**7 - 1  # the null block only
+    first = pool.get_new_blocks(3)
+    assert [b.block_id for b in first] == [1, 2, 3] and len(pool.blocks) == 4
+    pool.free_blocks(reversed(first))  # freed last-first, as vLLM frees a request's blocks
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]  # never-used blocks first
+    small = BlockPool(6)
+    taken = small.get_new_blocks(3)
+    small.free_blocks(reversed(taken))
+    assert [b.block_id for b in small.free_queue] == [4, 5, 3, 2, 1]
+    assert [b.block_id for b in small.get_new_blocks(5)] == [4, 5, 3, 2, 1]

@@ -56,19 +56,31 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Intrusive doubly-linked list with sentinels: popleft, append, remove in O(1)."""
+    """vLLM's free queue: popleft, append, remove in O(1). The blocks never used yet come first,
+    in id order, as vLLM's initial queue has them; each is made when first popped, so a pool of
+    millions of blocks (a small model on a large device) costs nothing until it fills. Behind
+    them, the freed blocks in an intrusive doubly-linked list with sentinels, oldest first."""
 
-    def __init__(self, blocks: list[KVCacheBlock]):
+    def __init__(self, num_blocks: int):
+        self.blocks: list[KVCacheBlock] = []  # every block made so far: block_id == index
+        self.num_blocks = num_blocks
+        self.next_fresh = 0  # the first block id never popped
         self.head = KVCacheBlock(-1)
         self.tail = KVCacheBlock(-1)
-        prev = self.head
-        for b in blocks:
-            prev.next_free, b.prev_free = b, prev
-            prev = b
-        prev.next_free, self.tail.prev_free = self.tail, prev
-        self.num_free = len(blocks)
+        self.head.next_free, self.tail.prev_free = self.tail, self.head
+        self.num_free = num_blocks
+
+    def block(self, block_id: int) -> KVCacheBlock:
+        while len(self.blocks) <= block_id:
+            self.blocks.append(KVCacheBlock(len(self.blocks)))
+        return self.blocks[block_id]
 
     def popleft(self) -> KVCacheBlock:
+        if self.next_fresh < self.num_blocks:
+            b = self.block(self.next_fresh)
+            self.next_fresh += 1
+            self.num_free -= 1
+            return b
         b = self.head.next_free
         if b is self.tail:
             raise ValueError("no free blocks")
@@ -76,6 +88,7 @@ class FreeBlockQueue:
         return b
 
     def remove(self, b: KVCacheBlock) -> None:
+        """Take a freed block out (a prefix hit on it); a never-used one is never asked for."""
         b.prev_free.next_free = b.next_free
         b.next_free.prev_free = b.prev_free
         b.prev_free = b.next_free = None
@@ -88,6 +101,8 @@ class FreeBlockQueue:
         self.num_free += 1
 
     def __iter__(self):
+        for block_id in range(self.next_fresh, self.num_blocks):
+            yield self.block(block_id)
         b = self.head.next_free
         while b is not self.tail:
             yield b
@@ -100,8 +115,8 @@ class BlockPool:
             raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(num_blocks)
+        self.blocks = self.free_queue.blocks  # the blocks made so far (the rest were never used)
         # hash -> block, or hash -> {block_id: block} when two requests computed
         # the same block at once (both copies stay reachable, as in vLLM).
         self.cached: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
@@ -162,8 +177,7 @@ class BlockPool:
         queue = self.free_queue
         out = []
         for _ in range(n):
-            blk = queue.head.next_free
-            queue.remove(blk)
+            blk = queue.popleft()
             if blk.block_hash is not None:
                 self._evict(blk)
             blk.ref_cnt = 1
