@@ -40,7 +40,8 @@ class ServerProcess:
         self.stop()
         raise RuntimeError(f"kvengine serve did not become healthy in {timeout} s")
 
-    def stop(self) -> str:
+    def end(self) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -48,6 +49,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+    def stop(self) -> str:
+        self.end()
         if not self.proc.stdout:
             return ""
         with self.proc.stdout:

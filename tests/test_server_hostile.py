@@ -42,13 +42,7 @@ def start(*flags: str, **env: str) -> ServerProcess:
 
 
 def stop(proc: ServerProcess) -> str:
-    if proc.proc.poll() is None:
-        proc.proc.terminate()
-        try:
-            proc.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.proc.kill()
-            proc.proc.wait(5)
+    proc.end()
     proc.drain.join(5)
     return "".join(proc.log)
 
