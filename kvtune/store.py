@@ -142,6 +142,13 @@ def _is_sqlite_file(url: URL) -> bool:
         and not url.database.startswith("file:")
 
 
+def missing_database(db_url: str) -> str | None:
+    """The path of a SQLite file `db_url` names that does not exist (opening it would create
+    an empty database, which a command that only reads must not), else None."""
+    url = make_url(db_url)
+    return url.database if _is_sqlite_file(url) and not os.path.exists(url.database) else None
+
+
 # ---------------------------------------------------------------- JSON that survives NaN
 
 # Strict JSON (PostgreSQL's json type) has no NaN or Infinity, and summaries hold NaN

@@ -402,6 +402,16 @@ def test_profile_round_trips_through_the_store(tmp_path):
         load_cost_profile(db, "nope")
 
 
+def test_a_profile_asked_of_a_missing_database_creates_none(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 8, "output_length": 2}\n')
+    db = tmp_path / "absent.db"
+    p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--target", "sim", "--profile", "cpu",
+                        "--workload", str(trace), "--db", f"sqlite:///{db}"], capture_output=True, text=True)
+    assert p.returncode == 2 and f"no database at {db}" in p.stderr, p.stderr
+    assert not db.exists()
+
+
 def test_the_report_marks_coefficients_the_fit_left_at_a_bound():
     """A host-bound server (a small model on a GPU) shows no compute and no per-sequence
     cost: the report says so instead of printing 1000 as a measured efficiency."""

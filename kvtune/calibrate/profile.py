@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
 from kvengine.cost import TIED_TO, CostCoefficients
 
-from ..store import Store, StoreError, resolve_db_url
+from ..store import Store, StoreError, missing_database, resolve_db_url
 
 PROFILE_VERSION = 1
 
@@ -93,6 +93,10 @@ def save_profile(db: str | Store | None, profile: CalibrationProfile) -> None:
 
 def get_profile(db: str | Store | None, name: str) -> CalibrationProfile:
     """The named profile; ProfileNotFoundError names it and lists those there are."""
+    path = None if isinstance(db, Store) else missing_database(resolve_db_url(db))
+    if path is not None:  # reading must not leave an empty database behind
+        raise ProfileNotFoundError(f"no cost profile {name!r}: there is no database at {path} "
+                                   "(make one with `kvtune calibrate --name NAME`, or pass --db URL)")
     store, owned = _open(db)
     try:
         data = store.load_profile(name)

@@ -2,21 +2,19 @@
 from __future__ import annotations
 
 import functools
-import os
 import re
 import warnings
 from dataclasses import dataclass, field
 
 import optuna
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
-from sqlalchemy.engine import make_url
 
 from ..results import RunResult
 from ..search.slo import SLO, score
 from ..search.stage2 import LIVE_LABEL, live_measurement
 from ..search.study import open_storage
 from ..search.validity import measured_on
-from ..store import RunNotFoundError, Store
+from ..store import RunNotFoundError, Store, missing_database
 from ..search.ranking import Candidate, Measurement, Verdict, choose
 
 _SLO_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
@@ -91,10 +89,8 @@ def load_report_data(db_url: str, name: str) -> ReportData:
 
 
 def _require_database(db_url: str) -> None:
-    url = make_url(db_url)
-    path = url.database
-    is_file = url.get_backend_name() == "sqlite" and path not in (None, "", ":memory:") and not path.startswith("file:")
-    if is_file and not os.path.exists(path):  # opening it would create an empty database
+    path = missing_database(db_url)
+    if path is not None:
         raise ReportError(f"no database at {path}: run `kvtune search` first, or pass --db URL")
 
 
