@@ -369,8 +369,10 @@ class DiagnosisRow:
     fix: str
 
 
-_SUMMARY_FIGURES = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95",
-                    "e2e_p95", "prefix_hit_rate", "kv_usage_peak", "preemptions")
+# The summary figures every run row carries as columns: what a list of runs, the ranking's
+# means over repeats and the report's tables read without loading a run's records.
+SUMMARY_FIGURES = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95",
+                   "e2e_p95", "prefix_hit_rate", "kv_usage_peak", "preemptions")
 _REQUEST_FIELDS = [f.name for f in dataclasses.fields(RequestRecord)]
 
 
@@ -822,7 +824,7 @@ def _summary_row(row) -> RunSummaryRow:
         id=row.id, created_at=_as_utc(row.created_at), target=row.target, model=row.model,
         device=row.device, status=row.status, error=row.error, label=row.label, study=row.study,
         trial_number=row.trial_number, duration_s=row.duration_s,
-        **{name: summary.get(name) for name in _SUMMARY_FIGURES})
+        **{name: summary.get(name) for name in SUMMARY_FIGURES})
 
 
 def _diagnosis_fields(diagnosis) -> dict:

@@ -14,12 +14,10 @@ from ..search.slo import SLO, score
 from ..search.stage2 import LIVE_LABEL, live_measurement
 from ..search.study import open_storage
 from ..search.validity import measured_on
-from ..store import RunNotFoundError, Store, missing_database
+from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
 from ..search.ranking import Candidate, Measurement, Verdict, choose
 
 _SLO_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
-_SUMMARY_KEYS = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95", "e2e_p95",
-                 "prefix_hit_rate", "kv_usage_peak", "preemptions")
 
 
 class ReportError(ValueError):
@@ -155,7 +153,7 @@ def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Mea
         constraints=dict(trial.constraints or {}), run_id=attrs.get("run_id"), reason=attrs.get("fail_reason"),
         duplicate_of=attrs.get("duplicate_of"), surplus=bool(attrs.get("surplus")),
         goodput_rps=attrs.get("goodput_rps"), throughput_rps=attrs.get("throughput_rps"), observed=observed,
-        summary={k: getattr(run, k) for k in _SUMMARY_KEYS} if run is not None else {},
+        summary={k: getattr(run, k) for k in SUMMARY_FIGURES} if run is not None else {},
         target=run.target if run is not None else None, measured_on=measured_on("sim", info.device, {}))
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..store import SUMMARY_FIGURES
 from .slo import SLO
 
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
@@ -188,8 +189,7 @@ def rank_key(m: Measurement, slos: list[SLO]):
 # ---------------------------------------------------------------- repeats -> one config's figures
 
 SPREAD_KEYS = ("goodput_rps", "throughput_rps")
-SUMMARY_MEANS = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95", "e2e_p95",
-                 "prefix_hit_rate", "kv_usage_peak", "preemptions")
+SUMMARY_MEANS = SUMMARY_FIGURES  # a config's figures over its repeats: the means of its runs' own
 
 
 def combine(runs: list[Measurement], slos: list[SLO]) -> tuple[Measurement, dict[str, Interval]]:
