@@ -1,10 +1,13 @@
 """Faults of a KV pool too small for what it is asked to hold: F1, F6, F8."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .facts import RunFacts
-from .fixes import cap_max_num_seqs, lower_max_model_len, more_kv_room, seqs_that_fit
+from .fixes import (cap_max_num_seqs, concurrency_needed, fp8_gain_of, lower_max_model_len, more_kv_room,
+                    fp8_kv, on_cpu, seqs_that_fit)
 from .model import Diagnosis, Evidence, FlagChange, join_fixes
 
 
@@ -84,14 +87,16 @@ def preemption_thrash(f: RunFacts) -> Diagnosis | None:
         if preempted.per_request is not None:
             evidence.append(Evidence(f"preemptions per request (mean, {preempted.source})", s.whole(),
                                      round(preempted.per_request, 2), "0 when the pool holds them all"))
-    critical = share is None or share >= th.preempted_share_critical
+    # Preemptions in a good share of the windows with the pool at its limit is thrash whatever
+    # share of requests the histogram caught; a low share alone is a burst.
+    critical = spread or share is None or share >= th.preempted_share_critical
     return Diagnosis(
         "F6", "critical" if critical else "warning",
         "preemptions climb and the waiting queue is long",
         evidence,
         "too many running sequences for the KV pool: as their outputs grow they run out of blocks "
         "and the newest are preempted and recomputed",
-        join_fixes(cap_max_num_seqs(f), _cap_max_tokens(f), *more_kv_room(f)))
+        join_fixes(cap_max_num_seqs(f), *more_kv_room(f), _cap_max_tokens(f)))
 
 
 def _running_evidence(f: RunFacts) -> Evidence:
@@ -101,6 +106,9 @@ def _running_evidence(f: RunFacts) -> Evidence:
     limit = f"max_num_seqs {f.max_num_seqs}" if f.max_num_seqs else "max_num_seqs unknown"
     if fit is not None:
         limit += f"; the pool holds {fit} at p99 context"
+    need = concurrency_needed(f)
+    if need is not None:
+        limit += f"; the arrivals need {need.needed} ({need.text}, Little's law)"
     return Evidence("vllm:num_requests_running peak", s.whole(), int(peak), limit)
 
 
@@ -113,38 +121,87 @@ def _cap_max_tokens(f: RunFacts) -> str | None:
 
 
 def context_overcommit(f: RunFacts) -> Diagnosis | None:
-    """F8: the workload's p99 context × the peak running requests is more than the pool holds."""
+    """F8: the KV the concurrent requests hold at their full context is more than the pool."""
     s, th = f.series, f.th
     if f.pool is None or f.contexts is None:
         return None
-    peak_running = s.peak("num_running") or 0
-    demand = f.contexts.p99 * peak_running
+    demand = kv_demand(f)
     preemptions = s.total("num_preemptions") or 0
     usage_peak = s.peak("kv_usage") or 0.0
-    if demand <= f.pool.tokens or preemptions < th.min_preemptions or usage_peak < th.usage_saturated:
+    if demand is None or demand.tokens <= f.pool.tokens or preemptions < th.min_preemptions \
+            or usage_peak < th.usage_saturated:
         return None
     c = f.contexts
-    at_mean = c.mean * peak_running
+    at_mean = c.mean * demand.concurrency
     mean_note = "fits: planning at the mean hides the tail" if at_mean <= f.pool.tokens else \
         "over the pool even at the mean"
     evidence = [
-        Evidence("p99 context × peak running (KV demand, tokens)", s.whole(),
-                 int(demand), f"> pool {f.pool.tokens:,} tokens ({f.pool.source})"),
+        Evidence(f"KV demand: {demand.how} (tokens)", s.whole(),
+                 int(demand.tokens), f"> pool {f.pool.tokens:,} tokens ({f.pool.source})"),
         Evidence(f"p99 context ({c.source})", s.whole(), round(c.p99), f"mean {c.mean:,.0f}"),
-        Evidence("mean context × peak running (tokens)", s.whole(), int(at_mean), mean_note),
+        Evidence(f"mean context × {demand.concurrency} concurrent (tokens)", s.whole(), int(at_mean), mean_note),
         Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
         Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_saturated:g}"),
     ]
+    ttft, ttft_name = f.ttft_p95()
+    if ttft is not None:
+        evidence.append(Evidence(ttft_name, s.whole(), round(ttft, 3), f"critical > {th.ttft_p95_slo_s:g} s (SLO)"))
     return Diagnosis(
-        "F8", "critical",
+        "F8", _overcommit_severity(f, preemptions, ttft),
         "KV memory exhausted under high concurrency with long contexts",
         evidence,
-        "KV demand is concurrency × context: the p99 context times the running requests exceeds the pool",
-        join_fixes(*more_kv_room(f), _tensor_parallel(f, demand), cap_max_num_seqs(f)))
+        "KV demand is concurrency × context: the contexts of the requests in service at once exceed the pool",
+        join_fixes(*more_kv_room(f), _tensor_parallel(f, demand.tokens), cap_max_num_seqs(f)))
 
 
-def _tensor_parallel(f: RunFacts, demand: float) -> FlagChange:
-    """The smallest power-of-two GPU count whose combined pool (at least) covers the demand."""
+DEMAND_QUANTILE = 99
+DEMAND_DRAWS = 2000
+
+
+@dataclass
+class Demand:
+    tokens: float
+    concurrency: int
+    how: str
+
+
+def kv_demand(f: RunFacts) -> Demand | None:
+    """The p99 of the KV held by L requests in service at once, each at its full context, L from
+    Little's law (concurrency_needed) and the contexts drawn from the run's own completed requests:
+    one distribution for both, so a rare long request counts as often as it arrives, not once per
+    running request. Without records (a watched server) it is L × the mean context."""
+    need = concurrency_needed(f)
+    concurrency = need.needed if need is not None else int(f.series.peak("num_running") or 0)
+    if not concurrency:
+        return None
+    lengths = np.array([r.prompt_tokens + r.output_tokens for r in f.requests], dtype=float)
+    what = f"{concurrency} in service at once" + (f" ({need.text})" if need is not None else " (peak running)")
+    if len(lengths) < f.th.min_requests:
+        return Demand(f.contexts.mean * concurrency, concurrency, f"mean context × {what}")
+    draws = np.random.default_rng(0).choice(lengths, (DEMAND_DRAWS, concurrency)).sum(axis=1)
+    return Demand(float(np.percentile(draws, DEMAND_QUANTILE)), concurrency,
+                  f"p{DEMAND_QUANTILE} of the summed contexts of {what}")
+
+
+def _overcommit_severity(f: RunFacts, preemptions: float, ttft: float | None) -> str:
+    """Critical only where it hurts: TTFT over its SLO, or preemptions reaching a good share of the
+    requests (the server's histogram, else preemptions per finished request)."""
+    th = f.th
+    if ttft is not None and ttft > th.ttft_p95_slo_s:
+        return "critical"
+    share = f.preempted_share()
+    finished = len(f.requests) or f.series.total("requests_finished") or 0
+    if share is None and finished:
+        share = preemptions / finished
+    return "critical" if share is not None and share >= th.preempted_share_critical else "warning"
+
+
+def _tensor_parallel(f: RunFacts, demand: float) -> FlagChange | None:
+    """The smallest power-of-two GPU count whose combined pool (at least) covers the demand; none
+    where fp8 K/V alone covers it (one GPU, no weight split) or the server runs on a CPU."""
+    fp8 = fp8_kv(f)
+    if on_cpu(f) or (fp8 is not None and f.pool.tokens * fp8_gain_of(f) >= demand):
+        return None
     current, pool_tokens = int(f.config.get("tensor_parallel_size") or 1), f.pool.tokens
     ways = 1
     while ways * pool_tokens < demand and ways < 8:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .facts import RunFacts
-from .fixes import fp8_kv
+from .fixes import at_least_needed, fp8_kv
 from .latency import itl_by_context
 from .model import Diagnosis, Evidence, FlagChange, join_fixes
 from .signals import Bins, quartile_masks
@@ -106,8 +106,13 @@ def _halve_max_num_seqs(f: RunFacts) -> FlagChange | None:
     peak = int(f.series.peak("num_running") or 0)
     if not peak:
         return None
-    target = max(min(current or peak, peak) // 2, 1)
-    return FlagChange("--max-num-seqs", current, target, f"half the {peak} that ran at the peak: less K/V per step")
+    half = max(min(current or peak, peak) // 2, 1)
+    target = at_least_needed(f, half)
+    if target >= (current or peak):
+        return None  # the arrivals need all of them: halving would starve the queue
+    why = f"half the {peak} that ran at the peak" if target == half else \
+        f"{target} of the {peak} that ran at the peak, what the arrivals need (Little's law)"
+    return FlagChange("--max-num-seqs", current, target, why + ": less K/V per step")
 
 
 def _chunked_prefill(f: RunFacts) -> FlagChange | None:
@@ -182,7 +187,10 @@ def _knee_max_num_seqs(f: RunFacts, busy: np.ndarray) -> FlagChange | None:
     best = b.generation_rate[busy].max()
     enough = busy & (b.generation_rate >= 0.9 * best)
     knee = max(math.ceil(b.running[enough].min()), 1)
-    if f.max_num_seqs is not None and f.max_num_seqs <= knee:
+    target = at_least_needed(f, knee)
+    if f.max_num_seqs is not None and f.max_num_seqs <= target:
         return None
-    return FlagChange("--max-num-seqs", f.max_num_seqs, knee,
-                      f"tokens/s was within 10% of its best ({best:,.0f}/s) at {knee} running")
+    effect = f"tokens/s was within 10% of its best ({best:,.0f}/s) at {knee} running"
+    if target > knee:
+        effect += f"; raised to the {target} the arrivals need (Little's law), below which the queue grows"
+    return FlagChange("--max-num-seqs", f.max_num_seqs, target, effect)

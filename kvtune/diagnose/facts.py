@@ -67,7 +67,10 @@ class RunFacts:
         server's clients cannot, theirs always read 0); else None (unknown)."""
         s = self.result.summary
         finished = s.get("server_request_preemptions_count")
-        if finished and s.get("server_requests_preempted") is not None:
+        # A histogram with no preempted request while the server's counter preempted is not
+        # reporting them (a frontend that does not track them): unknown, never a 0 as evidence.
+        silent = not s.get("server_requests_preempted") and (s.get("server_preemptions") or 0) > 0
+        if finished and s.get("server_requests_preempted") is not None and not silent:
             most = s.get("server_requests_preempted_max", s["server_requests_preempted"])
             return Preempted(int(s["server_requests_preempted"]), int(most), int(finished),
                              s.get("server_preemptions_per_request"), SERVER_HISTOGRAM)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+import numpy as np
 
 from .facts import RunFacts
 from .model import FlagChange
@@ -21,7 +24,20 @@ def fp8_kv(f: RunFacts, why: str = "") -> FlagChange | None:
     return FlagChange("--kv-cache-dtype", dtype, "fp8", effect)
 
 
+def fp8_gain_of(f: RunFacts) -> float:
+    return fp8_gain(f.result)
+
+
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def on_cpu(f: RunFacts) -> bool:
+    """The server ran on a CPU: a CPU device (kvengine's, CPU vLLM's label), or a pool sized by
+    CPU vLLM's VLLM_CPU_KVCACHE_SPACE. Tensor parallelism over GPUs means nothing there."""
+    devices = (f.result.device, f.config.get("device"), f.config.get("vllm_platform"))
+    if any(isinstance(d, str) and "cpu" in d.lower() for d in devices):
+        return True
+    return CPU_KV_SPACE in (f.config.get("launch_env") or {})
 POOL_GROWTH = 1.5  # where a size fixes the pool, the fix asks for half as much again
 
 
@@ -73,23 +89,81 @@ def seqs_that_fit(f: RunFacts) -> int | None:
     return max(f.pool.holds_at(f.contexts.p99), 1)
 
 
+@dataclass
+class Concurrency:
+    """Little's law: the requests the arrivals keep in service at once, L = lambda × W."""
+
+    rate: float  # requests arriving per second
+    service_s: float  # mean seconds a request is in service (scheduled to finished)
+
+    @property
+    def needed(self) -> int:
+        return max(math.ceil(self.rate * self.service_s), 1)
+
+    @property
+    def text(self) -> str:
+        return f"{self.rate:.2f} req/s × {self.service_s:.2f} s in service each"
+
+
+def arrival_rate(f: RunFacts) -> float | None:
+    arrivals = sorted(r.arrival_s for r in f.result.requests)
+    if len(arrivals) >= 2 and arrivals[-1] > arrivals[0]:
+        return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    finished = f.series.total("requests_finished")
+    return finished / f.series.span_s if finished and f.series.span_s > 0 else None
+
+
+def service_time(f: RunFacts) -> float | None:
+    """Mean seconds from scheduled to finished. The queue wait is left out: it is what a starved
+    queue adds, not what a request needs. Clients of a live server do not see the wait; there the
+    TTFT stands in for it (it also leaves out the prefill, so the time is if anything short)."""
+    times = [r.e2e_s - (r.queue_s if r.queue_s is not None else r.ttft_s)
+             for r in f.requests if r.e2e_s is not None]
+    if times:
+        return max(float(np.mean(times)), 0.0)
+    s = f.result.summary
+    e2e, queue = s.get("server_e2e_p50"), s.get("server_queue_p50")
+    return e2e - queue if e2e is not None and queue is not None and e2e > queue else None
+
+
+def concurrency_needed(f: RunFacts) -> Concurrency | None:
+    rate, service = arrival_rate(f), service_time(f)
+    if not rate or not service:
+        return None
+    return Concurrency(rate, service)
+
+
+def at_least_needed(f: RunFacts, target: int) -> int:
+    """A max_num_seqs no lower than the arrivals need: below it the queue only grows."""
+    need = concurrency_needed(f)
+    return max(target, need.needed) if need is not None else target
+
+
 def cap_max_num_seqs(f: RunFacts) -> FlagChange | None:
+    """What the pool holds at the p99 context, offered only where that still serves the arrivals:
+    a cap below L starves the queue (TTFT and e2e grow without bound), and then the fix is more pool."""
     fit = seqs_that_fit(f)
     current = f.max_num_seqs
     if fit is None or (current is not None and current <= fit):
         return None
-    return FlagChange("--max-num-seqs", current, fit,
-                      f"what the {f.pool.tokens:,}-token pool holds at the p99 context of "
-                      f"{f.contexts.p99:,.0f} tokens")
+    need = concurrency_needed(f)
+    if need is not None and fit < need.needed:
+        return None
+    effect = f"what the {f.pool.tokens:,}-token pool holds at the p99 context of {f.contexts.p99:,.0f} tokens"
+    if need is not None:
+        effect += f"; the arrivals need {need.needed} ({need.text})"
+    return FlagChange("--max-num-seqs", current, fit, effect)
 
 
 def lower_max_model_len(f: RunFacts) -> FlagChange | None:
-    """Down to the workload's p99 context (whole blocks), when the limit is far above it."""
+    """Down to the workload's longest request (whole blocks), when the limit is far above it: a
+    limit under the longest request would refuse it."""
     current = f.config.get("max_model_len")
     if not current or f.contexts is None:
         return None
     block = int(f.config.get("block_size") or 16)
-    target = int(math.ceil(f.contexts.p99 / block) * block)
+    longest = max(f.contexts.longest, f.contexts.p99)
+    target = int(math.ceil(longest / block) * block)
     if current < 2 * target:
         return None
-    return FlagChange("--max-model-len", current, target, "the p99 context; longer requests are refused")
+    return FlagChange("--max-model-len", current, target, f"the longest request ({longest:,.0f} tokens) still fits")

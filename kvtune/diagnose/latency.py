@@ -39,6 +39,7 @@ class Contexts:
     p99: float
     mean: float
     source: str
+    longest: float = 0.0  # the longest request's context: a max_model_len below it refuses that request
 
 
 def contexts_from_requests(requests: list[RequestRecord], min_requests: int) -> Contexts | None:
@@ -47,7 +48,7 @@ def contexts_from_requests(requests: list[RequestRecord], min_requests: int) -> 
         return None
     p50, p95, p99 = np.percentile(lengths, [50, 95, 99])
     return Contexts(float(p50), float(p95), float(p99), float(np.mean(lengths)),
-                    "completed requests' prompt + output tokens")
+                    "completed requests' prompt + output tokens", float(max(lengths)))
 
 
 def contexts_from_profile(workload: dict) -> Contexts | None:
@@ -55,6 +56,6 @@ def contexts_from_profile(workload: dict) -> Contexts | None:
     inputs, outputs = workload.get("input_len") or {}, workload.get("output_len") or {}
     if not inputs.get("p99"):
         return None
-    total = {q: (inputs.get(q) or 0) + (outputs.get(q) or 0) for q in ("p50", "p95", "p99", "mean")}
+    total = {q: (inputs.get(q) or 0) + (outputs.get(q) or 0) for q in ("p50", "p95", "p99", "mean", "max")}
     return Contexts(total["p50"], total["p95"], total["p99"], total["mean"] or total["p50"],
-                    "workload profile: input pXX + output pXX")
+                    "workload profile: input pXX + output pXX", total["max"] or total["p99"])
