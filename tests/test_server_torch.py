@@ -53,3 +53,29 @@ def test_seeded_sampling_repeats(server):
     a = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     b = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
     assert a == b
+
+
+def test_the_pool_leaves_the_process_within_its_memory_budget():
+    """On the CPU the engine core's own footprint (interpreter, torch, what loading left) shares the
+    --device-memory budget with the pool, as a CUDA context shares a GPU: what a fresh server's core
+    holds, plus its pool once written, plus the activation peak, stays within utilisation x budget."""
+    import psutil
+
+    from kvengine.config import EngineConfig, model_preset
+    from kvengine.memory import activation_peak_bytes, kv_bytes_per_block
+    from kvengine.torch_executor import torch_device_spec
+    proc = ServerProcess("--executor", "torch", "--preset", "tiny", "--device", "cpu", "--device-memory", "1GiB",
+                         "--max-model-len", "1024", timeout=120)
+    try:
+        core = max(psutil.Process(proc.proc.pid).children(recursive=True), key=lambda p: p.memory_info().rss)
+        held = core.memory_info().rss  # no request yet: none of the pool's pages is written
+        info = next(k for k in scrape(proc.url) if k.startswith("vllm:cache_config_info"))
+    finally:
+        proc.stop()
+    blocks = int(re.search(r"num_gpu_blocks=(\d+)", info).group(1))
+    block_size = int(re.search(r"[{,]block_size=(\d+)", info).group(1))
+    tiny = model_preset("tiny")
+    pool = blocks * kv_bytes_per_block(tiny, "auto", block_size)
+    config = EngineConfig(max_model_len=1024, block_size=block_size).resolve(tiny, torch_device_spec("cpu", 1 << 30))
+    activation = activation_peak_bytes(tiny, config.max_num_batched_tokens, config.max_num_seqs)
+    assert held + pool + activation <= 1.02 * 0.92 * (1 << 30), (held, pool, activation)

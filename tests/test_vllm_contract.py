@@ -226,7 +226,7 @@ def test_without_a_chat_template_the_plain_one_stays(tmp_path, checkpoint):
     config = plain / "tokenizer_config.json"
     config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     assert load_chat_template(plain) is None
-    proc = ServerProcess("--model", str(plain), "--device-memory", "512MiB", "--max-model-len", str(MAX_LEN),
+    proc = ServerProcess("--model", str(plain), "--device-memory", "1GiB", "--max-model-len", str(MAX_LEN),
                          timeout=180)
     try:
         from transformers import AutoTokenizer

@@ -67,7 +67,7 @@ def build_engine(args):
     from .torch_executor import build_torch_engine
     try:
         engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
-                                    device_memory=args.device_memory, seed=args.seed)
+                                    device_memory=args.device_memory, seed=args.seed, own_process=True)
     except CheckpointError as err:  # its message starts with the folder; name the flag too
         raise ConfigError(f"--model {err}") from None
     engine.record_steps = False

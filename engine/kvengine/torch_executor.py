@@ -85,7 +85,16 @@ def resolve_device(device: str | None = "cpu") -> str:
     raise ConfigError(f"--device {device!r}: the torch executor runs on cpu, cuda, cuda:N or auto")
 
 
-def torch_device_spec(device: str, device_memory: int | None = None) -> DeviceSpec:
+def resident_bytes() -> int:
+    """This process's resident memory (Linux /proc/self/statm), 0 where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def torch_device_spec(device: str, device_memory: int | None = None, runtime_bytes: int = 0) -> DeviceSpec:
     """The DeviceSpec the pool is sized from.
 
     cuda: the real GPU's total memory (so gpu_memory_utilization applies to it),
@@ -93,13 +102,18 @@ def torch_device_spec(device: str, device_memory: int | None = None) -> DeviceSp
     cpu: a budget of `device_memory` bytes (default 2 GiB) plays the device's
     total memory; bandwidth, FLOP/s and overhead of the `cpu` preset, and vLLM's
     CPU-build defaults (block_size 128, max_num_seqs 128) for knobs left unset.
+    `runtime_bytes`, the memory a process serving only this engine holds beside its
+    weights (interpreter, torch, libraries, what loading left), is its non-torch overhead
+    where it is more than the preset's: on a CPU it takes the same memory as the pool,
+    as a CUDA context takes a GPU's.
     """
     device = resolve_device(device)
     if device == "cpu":
         base = DEVICE_PRESETS["cpu"]
         memory = DEFAULT_CPU_MEMORY if device_memory is None else int(device_memory)
         return DeviceSpec("cpu", memory, base.hbm_bandwidth, base.bf16_flops,
-                          non_torch_overhead_bytes=base.non_torch_overhead_bytes, platform="cpu")
+                          non_torch_overhead_bytes=max(base.non_torch_overhead_bytes, runtime_bytes),
+                          platform="cpu")
     props = torch.cuda.get_device_properties(torch.device(device))
     total = full = torch.cuda.mem_get_info(torch.device(device))[1]
     if device_memory is not None:
@@ -330,7 +344,7 @@ class TorchExecutor:
 def build_torch_engine(config: EngineConfig, preset: str | None = None, model_path: str | None = None,
                        device: str = "cpu", device_memory: int | None = None, seed: int = 0,
                        dtype: str | None = None, num_threads: int | None = None,
-                       clock=None) -> LLMEngine:
+                       clock=None, own_process: bool = False) -> LLMEngine:
     """An LLMEngine running a real model with the TorchExecutor.
 
     config        the engine knobs (EngineConfig; unset ones take vLLM's defaults).
@@ -348,6 +362,8 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
     dtype         override the model dtype: float32, bfloat16 or float16.
     num_threads   torch intra-op threads (default $KVENGINE_NUM_THREADS or 1).
     clock         default WallClock() (serving); pass a VirtualClock for replay.
+    own_process   the process serves this engine alone (the server's engine core):
+                  on the CPU, what it holds beside the weights counts against the budget.
 
     The engine's executor (engine.executor) carries the tokenizer
     (engine.executor.tokenizer) and the loaded model (engine.executor.model);
@@ -378,6 +394,8 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
     tokenizer = load_tokenizer(model_path, spec.vocab_size, spec.bos_token_id, eos)
     if eos is None:
         eos = tokenizer.eos_token_id
+    if own_process and torch_device == "cpu":  # all it holds beside the weights, loaders' leftovers too
+        device_spec = torch_device_spec(torch_device, device_memory, resident_bytes() - spec.weight_bytes)
     executor = TorchExecutor(model, tokenizer, seed)
     config = _replace(config, seed=seed) if config.seed != seed else config
     return LLMEngine(config, spec, device_spec, executor=executor,
