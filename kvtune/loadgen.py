@@ -125,9 +125,7 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
             log_file.seek(0)
             log = log_file.read() + ("" if rc is not None else f"\nkilled after {timeout_s:.0f} s")
     except BaseException:  # a signal, Ctrl-C, or the watch: the load generator ends with kvtune
-        for p in procs:
-            p.kill()
-            p.wait()
+        _kill(procs)
         shutil.rmtree(out, ignore_errors=True)
         raise
     try:
@@ -163,9 +161,7 @@ def _wait_locust(master: subprocess.Popen, procs: list, timeout_s: float, watch,
             break
         except subprocess.TimeoutExpired:
             if time.monotonic() >= deadline:
-                for p in procs:
-                    p.kill()
-                    p.wait()
+                _kill(procs)
                 return None
             if watch is not None:
                 watch()
@@ -173,9 +169,14 @@ def _wait_locust(master: subprocess.Popen, procs: list, timeout_s: float, watch,
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:  # a worker the master could not stop
-            p.kill()
-            p.wait()
+            _kill([p])
     return master.returncode
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 def _collect(out: str, samples_prefix: str, json_base: str, rc: int, log: str, workload_path: str) -> LoadResult:

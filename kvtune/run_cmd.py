@@ -12,7 +12,7 @@ from .results import RunResult
 from .store import Store, add_db_argument, resolve_db_url
 from .targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
 from .targets.build import add_server_flags, live_target
-from .targets.process import interruption
+from .targets.process import failure_reason
 from .targets.sim import config_dict
 from .workload import FORMATS, head, rate_scale, read_workload
 from .workload.cli import name_or_url, positive_float, positive_int
@@ -107,12 +107,6 @@ def cmd_run(args) -> int:
     if args.json:
         print(json.dumps(result.summary | {"run_id": run_id}))
     return 0
-
-
-def failure_reason(err: BaseException) -> str:
-    """What a run row records when `err` ended it: 'interrupted by SIGTERM', or the error."""
-    signal_name = interruption(err)
-    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
 
 
 def _workload(args):

@@ -137,32 +137,28 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_limit_flags(p)
 
 
-def _positive(kind):
+def _at_least(kind, low, inclusive: bool = False):
+    """An argparse type: a `kind` number above `low` (or equal to it, if `inclusive`)."""
+    what = "a whole number" if kind is int else "a number"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value >= low if inclusive else value > low):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
         return value
     return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+_positive_int, _positive_float, _count = _at_least(int, 0), _at_least(float, 0), _at_least(int, 0, inclusive=True)
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
     """What one client may ask of the server; defaults no real workload reaches."""
     g = p.add_argument_group("request limits")
-    g.add_argument("--max-n-sequences", type=_positive(int), default=MAX_N_SEQUENCES, metavar="N",
+    g.add_argument("--max-n-sequences", type=_positive_int, default=MAX_N_SEQUENCES, metavar="N",
                    help="largest `n` a request may ask for; vLLM's VLLM_MAX_N_SEQUENCES (16384 there) "
                         "(default: %(default)s)")
     g.add_argument("--max-num-queued-reqs", type=_count, default=MAX_NUM_QUEUED_REQS, metavar="N",
@@ -171,10 +167,10 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--max-request-body-size", type=parse_size, default=MAX_REQUEST_BODY_BYTES, metavar="SIZE",
                    help="largest request body, beyond it 413 (default: 32MiB)")
-    g.add_argument("--request-read-timeout", type=_positive(float), default=REQUEST_READ_TIMEOUT_S,
+    g.add_argument("--request-read-timeout", type=_positive_float, default=REQUEST_READ_TIMEOUT_S,
                    metavar="SECONDS", help="a request's head and body must arrive within this time of its "
                                            "first byte, else the connection is closed (default: %(default)s)")
-    g.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0, metavar="SECONDS",
+    g.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0, metavar="SECONDS",
                    help="close an idle keep-alive connection after this; vLLM's "
                         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default: %(default)s)")
     g.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=4 << 20, metavar="SIZE",

@@ -351,7 +351,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         gen = _begin(request, state, parse_completion(await _json(request, state.limits)))
         if gen.req.stream:
-            return _stream(gen, _completion_chunks(state, gen))
+            return _stream(_completion_chunks(state, gen))
         return await _collect(request, gen, "cmpl", lambda rid, created: {
             "id": rid, "object": "text_completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
@@ -363,7 +363,7 @@ def create_app(state: ServerState) -> FastAPI:
         req, _ = parse_chat(await _json(request, state.limits), state.render_chat)
         gen = _begin(request, state, req)
         if gen.req.stream:
-            return _stream(gen, _chat_chunks(state, gen))
+            return _stream(_chat_chunks(state, gen))
         return await _collect(request, gen, "chatcmpl", lambda rid, created: {
             "id": rid, "object": "chat.completion", "created": created, "model": state.served_model_name,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
@@ -453,16 +453,14 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _stream(gen: Generation, chunks) -> StreamingResponse:
+def _stream(chunks) -> StreamingResponse:
     async def body():
         try:
             async for chunk in chunks:
                 yield chunk
         except APIError as err:  # vLLM sends an error chunk, then [DONE]
             yield sse(err.body())
-        finally:
-            gen.abort_unfinished()
-        yield "data: [DONE]\n\n"
+        yield "data: [DONE]\n\n"  # what the client left unfinished, the guard aborts
     return EventStream(body(), media_type="text/event-stream")
 
 

@@ -28,7 +28,7 @@ from kvengine.config import EngineConfig
 
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
-from ..targets.process import interruption
+from ..targets.process import failure_reason, interruption
 from ..workload import rate_scale
 from .objective import Objective
 from .space import SearchSpace, check_config
@@ -286,7 +286,7 @@ class Stage1:
         trial, self._trial = self._trial, None
         if trial is None:
             return
-        storage, reason = self.study._storage, f"interrupted by {interruption(err)}"
+        storage, reason = self.study._storage, failure_reason(err)
         frozen = storage.get_trial(trial._trial_id)
         row = next((r for r in self.store.list_trials(self.study.study_name, "sim") if r.number == frozen.number), None)
         try:

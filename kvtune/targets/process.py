@@ -42,6 +42,12 @@ def interruption(err: BaseException | None) -> str | None:
     return None
 
 
+def failure_reason(err: BaseException) -> str:
+    """What a run or trial records when `err` ended it: 'interrupted by SIGTERM', or the error."""
+    signal_name = interruption(err)
+    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
+
+
 def signal_number(err: BaseException) -> int | None:
     """The number of the signal `interruption` finds in `err`."""
     name = interruption(err)
@@ -140,7 +146,7 @@ class ManagedServer:
         return self.proc is not None and self.proc.poll() is None
 
     def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
+        if self.proc is not None and not self.alive:
             raise TargetRunError(f"the server died during the run (exit status {self.proc.returncode}); "
                                  f"last log lines:\n{self.log_tail()}")
 
