@@ -8,7 +8,7 @@ import numpy as np
 from .facts import RunFacts
 from .fixes import (cap_max_num_seqs, concurrency_needed, fp8_gain_of, lower_max_model_len, more_kv_room,
                     fp8_kv, on_cpu, seqs_that_fit)
-from .model import Diagnosis, Evidence, FlagChange, join_fixes
+from .model import Diagnosis, Evidence, FlagChange, fixes
 
 
 def head_of_line_blocking(f: RunFacts) -> Diagnosis | None:
@@ -40,7 +40,7 @@ def head_of_line_blocking(f: RunFacts) -> Diagnosis | None:
         "queue grows and TTFT spikes while the KV pool is near its limit",
         evidence,
         "KV blocks near the limit: new requests cannot get blocks for their prompts (head-of-line blocking)",
-        join_fixes(*more_kv_room(f), lower_max_model_len(f), cap_max_num_seqs(f)) or
+        fixes(*more_kv_room(f), lower_max_model_len(f), cap_max_num_seqs(f)) or
         "more KV room: raise --gpu-memory-utilization, use --kv-cache-dtype fp8, or lower --max-num-seqs")
 
 
@@ -96,7 +96,7 @@ def preemption_thrash(f: RunFacts) -> Diagnosis | None:
         evidence,
         "too many running sequences for the KV pool: as their outputs grow they run out of blocks "
         "and the newest are preempted and recomputed",
-        join_fixes(cap_max_num_seqs(f), *more_kv_room(f), _cap_max_tokens(f)))
+        fixes(cap_max_num_seqs(f), *more_kv_room(f), _cap_max_tokens(f)))
 
 
 def _running_evidence(f: RunFacts) -> Evidence:
@@ -151,7 +151,7 @@ def context_overcommit(f: RunFacts) -> Diagnosis | None:
         "KV memory exhausted under high concurrency with long contexts",
         evidence,
         "KV demand is concurrency × context: the contexts of the requests in service at once exceed the pool",
-        join_fixes(*more_kv_room(f), _tensor_parallel(f, demand.tokens), cap_max_num_seqs(f)))
+        fixes(*more_kv_room(f), _tensor_parallel(f, demand.tokens), cap_max_num_seqs(f)))
 
 
 DEMAND_QUANTILE = 99

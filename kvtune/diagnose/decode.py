@@ -10,7 +10,7 @@ import numpy as np
 from .facts import RunFacts
 from .fixes import at_least_needed, fp8_kv
 from .latency import itl_by_context
-from .model import Diagnosis, Evidence, FlagChange, join_fixes
+from .model import Diagnosis, Evidence, FlagChange, fixes
 from .signals import Bins, quartile_masks
 
 
@@ -97,7 +97,7 @@ def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
         evidence,
         "decode is memory-bandwidth bound: every step reads all live K/V, so each token costs more as "
         "contexts grow",
-        join_fixes(fp8_kv(f, "halves the K/V bytes every decode step reads"), _halve_max_num_seqs(f),
+        fixes(fp8_kv(f, "halves the K/V bytes every decode step reads"), _halve_max_num_seqs(f),
                    _chunked_prefill(f)))
 
 
@@ -157,7 +157,7 @@ def memory_bound_throughput(f: RunFacts) -> Diagnosis | None:
         "the server looks busy but tokens/s does not grow with load",
         evidence,
         "memory-bound decode, not compute-bound: more running requests only add K/V to read per step",
-        join_fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
+        fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
                    fp8_kv(f, "halves the K/V bytes each step reads")))
 
 

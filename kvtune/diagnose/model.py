@@ -6,7 +6,7 @@ against, with defaults from the fault card; pass your own to tighten or loosen.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 SEVERITIES = ("critical", "warning", "info")
 INSUFFICIENT_DATA = "insufficient_data"
@@ -21,13 +21,43 @@ class Evidence:
 
 
 @dataclass
+class FixTrial:
+    """One proposed fix replayed in the simulator against the run's own workload."""
+
+    change: str  # the fix as printed
+    verdict: str  # one of TRIAL_VERDICTS
+    note: str  # why: what it did to the symptom and the SLOs, or why it could not be simulated
+    before: dict = field(default_factory=dict)  # the simulator's figures without the fix
+    after: dict = field(default_factory=dict)  # ... and with it
+
+
+HELPED, NO_HELP, UNTESTED = "helped", "did not help", "untested"
+TRIAL_VERDICTS = (HELPED, NO_HELP, UNTESTED)
+
+
+@dataclass
 class Diagnosis:
+    """`fix` is the text an operator reads. A rule may pass a list of options instead (FlagChanges
+    the simulator can try, and plain-text actions), kept in `options` for `trial.try_fixes`, which
+    rewrites `fix` from what the trials showed and keeps them in `trials`."""
+
     id: str  # F1..F8, START (the server refused the config), or INSUFFICIENT_DATA
     severity: str  # one of SEVERITIES
     symptom: str
     evidence: list[Evidence]
     cause: str
-    fix: str  # flag changes (`--max-num-seqs 256 → 8`) or an action on the workload
+    fix: str | list  # flag changes (`--max-num-seqs 256 → 8`) or an action on the workload
+    trials: list[FixTrial] = field(default_factory=list)
+    options: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.fix, list):
+            self.options = [o for o in self.fix if o]
+            self.fix = join_fixes(*self.options)
+
+    @property
+    def changes(self) -> list["FlagChange"]:
+        return [o for o in self.options if isinstance(o, FlagChange)]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,4 +141,9 @@ def _show(value) -> str:
 def join_fixes(*parts) -> str:
     """Alternatives in order of preference, as one line: 'A; or B; or C'."""
     return "; or ".join(str(p) for p in parts if p)
+
+
+def fixes(*parts) -> list:
+    """The options a rule proposes, in order of preference (None for one that does not apply)."""
+    return [p for p in parts if p]
 

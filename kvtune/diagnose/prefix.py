@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .facts import RunFacts
 from .fixes import more_kv_room
-from .model import Diagnosis, Evidence, FlagChange, join_fixes
+from .model import Diagnosis, Evidence, FlagChange, fixes
 
 TEMPLATE_FIX = ("stabilise the prompt template: put the shared system prompt (and tool descriptions) first "
                 "and byte-identical in every request; move per-request content (dates, ids, user data) after it")
@@ -29,7 +29,7 @@ def low_prefix_hits(f: RunFacts) -> Diagnosis | None:
         return Diagnosis("F4", "warning", "prefix cache hit rate stays low (caching is off)",
                          _hit_rate_evidence(f, None),
                          f"prefix caching is off although {ideal:.0%} of prompt tokens are shared prefixes",
-                         str(ENABLE_CACHING))
+                         [ENABLE_CACHING])
     if observed is None:
         return None
     low = observed < th.low_hit_rate
@@ -79,7 +79,7 @@ def _thrash(f: RunFacts, observed: float) -> Diagnosis:
         "F4", "warning", "prefix cache hit rate stays low although the prompts share prefixes",
         evidence,
         "capacity thrash: the cache is too small to keep the shared prefixes until they are reused",
-        join_fixes(*more_kv_room(f), _smaller_blocks(f)) or
+        fixes(*more_kv_room(f), _smaller_blocks(f)) or
         "more KV room: raise --gpu-memory-utilization or use --kv-cache-dtype fp8")
 
 
@@ -125,10 +125,10 @@ def session_reprefill(f: RunFacts) -> Diagnosis | None:
         *_hit_rate_evidence(f, None if f.prefix_caching_off else hit),
     ]
     action = "keep the shared context stable and first, and shorten tool descriptions"
-    fix = join_fixes(ENABLE_CACHING) if f.prefix_caching_off else join_fixes(*more_kv_room(f))
+    changes = [ENABLE_CACHING] if f.prefix_caching_off else more_kv_room(f)
     return Diagnosis(
         "F7", "warning", "multi-call (agent) sessions take seconds end to end",
         evidence,
         "TTFT is paid on every call: the long shared context is prefilled again instead of served from "
         "the prefix cache" + (" (prefix caching is off)" if f.prefix_caching_off else ""),
-        f"{fix}; and {action}" if fix else action)
+        [*changes, action])

@@ -24,7 +24,7 @@ from kvengine.memory import KVCacheMemoryError, activation_peak_bytes, plan_memo
 from ..results import RunResult
 from ..targets.startlog import read_log, root_cause
 from .facts import RunFacts
-from .model import Diagnosis, Evidence, FlagChange, Thresholds, join_fixes
+from .model import Diagnosis, Evidence, FlagChange, Thresholds, fixes as options
 from .pool import engine_config, specs
 
 # What a line says when memory is the cause (the KV pool, activations, other processes); never plain "memory":
@@ -99,7 +99,7 @@ def _out_of_memory(result: RunResult, error: str, cause_line: str, th: Threshold
         cause, fixes = CAUSE, _headroom_fixes(result.config, th)
     return Diagnosis("F5", "critical", "failed start / out of memory although the KV pool looked large enough",
                      _start_evidence(result, error, cause_line, th), cause,
-                     join_fixes(*fixes) or join_fixes(*_headroom_fixes(result.config, th)))
+                     options(*fixes) or options(*_headroom_fixes(result.config, th)))
 
 
 def _start_evidence(result: RunResult, error: str, cause_line: str, th: Thresholds) -> list[Evidence]:
@@ -255,7 +255,7 @@ def oom_during_run(f: RunFacts) -> Diagnosis | None:
         evidence.append(Evidence("NVML used / total memory peak", f.series.whole(),
                                  round(float(np.nanmax(used / total)), 3), "near 1"))
     return Diagnosis("F5", "critical", "out of memory during the run", evidence, CAUSE,
-                     join_fixes(*_headroom_fixes(f.config, f.th)))
+                     options(*_headroom_fixes(f.config, f.th)))
 
 
 
@@ -309,7 +309,8 @@ def refused_config(result: RunResult, error: str, cause_line: str) -> Diagnosis 
         where = f" and the full log ({path})" if path else ""
         fix = (f"read the cited line{where}: the server refused "
                + (f"this `{flag}`" if flag else "a value of this config") + "; give it a value the line allows")
-    return Diagnosis(START, "critical", "the server refused the config", evidence, cause, str(fix))
+    return Diagnosis(START, "critical", "the server refused the config", evidence, cause,
+                     [fix] if isinstance(fix, FlagChange) else str(fix))
 
 
 def _refusal_fix(result: RunResult, line: str) -> tuple[str | None, str, FlagChange | str | None]:
