@@ -64,9 +64,7 @@ def build_target(args):
     if args.target == "sim":
         if args.profile:
             profile = get_profile(args.db, args.profile)
-            model, dev = profile.specs()
-            return (SimTarget(model, dev, profile.coefficients, profile.client_overhead_s,
-                              profile.client_overhead_busy_s), profile.model, profile.device)
+            return profile.sim_target(), profile.model, profile.device
         return SimTarget(model_preset(preset), device_preset(device)), preset, device
     if args.target == "engine" and args.executor == "sim":
         device_preset(device)  # the sim executor needs a device preset: fail early if unknown

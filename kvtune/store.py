@@ -48,9 +48,11 @@ from sqlalchemy import (
     delete,
     event,
     insert,
+    inspect,
     select,
     update,
 )
+from sqlalchemy import text as sql_text
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import (
     ArgumentError,
@@ -299,6 +301,7 @@ class DbDiagnosis(Base):
     evidence: Mapped[list]  # [{metric, window, value, threshold}, ...]
     cause: Mapped[str] = mapped_column(Text)
     fix: Mapped[str] = mapped_column(Text)
+    trials: Mapped[list | None] = mapped_column(JSON)  # the fixes tried in the simulator (diagnose.FixTrial)
 
 
 class DbProfile(Base):
@@ -367,6 +370,7 @@ class DiagnosisRow:
     evidence: list
     cause: str
     fix: str
+    trials: list = dataclasses.field(default_factory=list)
 
 
 # The summary figures every run row carries as columns: what a list of runs, the ranking's
@@ -605,7 +609,7 @@ class Store:
     def load_diagnoses(self, run_id: int) -> list[DiagnosisRow]:
         query = select(DbDiagnosis).where(DbDiagnosis.run_id == run_id).order_by(DbDiagnosis.position)
         with self._read.begin() as session:
-            return [DiagnosisRow(d.fault_id, d.severity, d.symptom, d.evidence, d.cause, d.fix)
+            return [DiagnosisRow(d.fault_id, d.severity, d.symptom, d.evidence, d.cause, d.fix, d.trials or [])
                     for d in session.scalars(query)]
 
     # ------------------------------------------------------------ cost profiles
@@ -657,12 +661,27 @@ class Store:
         for attempt in (1, 2):
             try:
                 Base.metadata.create_all(self._write_engine)
+                _add_new_columns(self._write_engine)
                 return
             except DBAPIError as err:
                 lost_race = attempt == 1 and isinstance(err, (IntegrityError, ProgrammingError))
                 if not lost_race:
                     self._engine.dispose()
                     raise StoreError(f"cannot open database {self.display_url}: {_cause(err)}") from None
+
+
+# Columns added after a table was first made: an older database gets them, empty, when opened.
+NEW_COLUMNS = {"kvtune_diagnoses": {"trials": "JSON"}}
+
+
+def _add_new_columns(engine: Engine) -> None:
+    inspector = inspect(engine)
+    for table, columns in NEW_COLUMNS.items():
+        have = {c["name"] for c in inspector.get_columns(table)}
+        with engine.begin() as conn:
+            for name, kind in columns.items():
+                if name not in have:
+                    conn.execute(sql_text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -840,4 +859,4 @@ def _diagnosis_fields(diagnosis) -> dict:
     missing = [k for k, v in fields.items() if v is None]
     if missing:
         raise ValueError(f"diagnosis {fields['fault_id'] or d!r} lacks {', '.join(missing)}")
-    return fields
+    return fields | {"trials": list(d.get("trials") or [])}

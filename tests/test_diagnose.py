@@ -33,6 +33,14 @@ def evidence(diagnosis, metric_start: str):
     return next(e for e in diagnosis.evidence if e.metric.startswith(metric_start))
 
 
+def served(result: RunResult) -> RunResult:
+    """The run as a server sized in bytes reports it: the same pool as its num_gpu_blocks, no
+    override. fp8 K/V then doubles the blocks; under --num-gpu-blocks-override it could not."""
+    config = dict(result.config)
+    config["num_gpu_blocks"] = config.pop("num_gpu_blocks_override")
+    return dataclasses.replace(result, config=config)
+
+
 def p99_context(result: RunResult) -> float:
     return float(np.percentile([r.prompt_tokens + r.output_tokens for r in result.requests if r.ok], 99))
 
@@ -163,8 +171,10 @@ def test_f1_long_prompts_into_a_nearly_full_pool():
     ttft = evidence(f1, "TTFT p95")
     assert ttft.value == pytest.approx(result.summary["ttft_p95"], rel=1e-3)
     assert f1.severity == ("critical" if ttft.value > 1.0 else "warning")
-    # The pool was 500 blocks of 16 tokens; fp8 K/V doubles it.
-    assert "`--kv-cache-dtype auto → fp8` (pool 8,000 → 16,000 tokens)" in f1.fix
+    # The pool was fixed at 500 blocks of 16 tokens: only that knob grows it; fp8 K/V would
+    # halve the bytes of the same 500 blocks and hold not one token more.
+    assert "`--num-gpu-blocks-override 500 → 750` (pool 8,000 → 12,000 tokens" in f1.fix
+    assert "--kv-cache-dtype" not in f1.fix
 
 
 # -- F2 ------------------------------------------------------------------------
@@ -221,7 +231,7 @@ def test_f4_unique_prompts_are_a_template_problem():
 
 
 def test_f4_shared_prefixes_in_a_tiny_pool_are_thrash():
-    result = shared_prefixes_tiny_pool()
+    result = served(shared_prefixes_tiny_pool())
     f4 = fired(result)["F4"]
     observed, ideal = evidence(f4, "vllm:prefix_cache_hits").value, evidence(f4, "ideal hit rate").value
     assert ideal == pytest.approx(result.workload["ideal_prefix_hit_rate"], abs=1e-3) and ideal >= 0.3
@@ -286,7 +296,7 @@ def test_a_failed_run_for_another_reason_is_not_f5():
 # -- F6 ------------------------------------------------------------------------
 
 def test_f6_max_num_seqs_far_above_what_the_pool_holds():
-    result = preemption_run()
+    result = served(preemption_run())
     f6 = fired(result)["F6"]
     assert f6.severity == "critical"
     assert evidence(f6, "vllm:num_preemptions_total").value == result.summary["preemptions"] >= 5
@@ -396,7 +406,7 @@ def test_f7_agent_sessions_re_prefill_their_context_on_every_call():
 # -- F8 ------------------------------------------------------------------------
 
 def test_f8_concurrent_contexts_exceed_the_pool():
-    result = long_tail_contexts()
+    result = served(long_tail_contexts())
     f8 = fired(result)["F8"]
     demand = evidence(f8, "KV demand: p99 of the summed contexts")
     # One distribution: L requests in service drawn from the run's own contexts, never the p99
@@ -417,7 +427,7 @@ def test_f8_proposes_fp8_and_no_tensor_parallelism_where_fp8_suffices():
     result = long_tail_contexts()
     demand = evidence(fired(result)["F8"], "KV demand").value
     blocks = math.ceil(demand / 16 / 2) + 1
-    half = dataclasses.replace(result, config=dict(result.config, num_gpu_blocks_override=blocks))
+    half = served(dataclasses.replace(result, config=dict(result.config, num_gpu_blocks_override=blocks)))
     f8 = fired(half)["F8"]
     assert f8.fix.startswith("`--kv-cache-dtype auto → fp8`")
     assert "--tensor-parallel-size" not in f8.fix
@@ -492,6 +502,6 @@ def test_a_healthy_run_seen_as_scrapes_fires_no_rule():
 
 
 def test_the_table_lists_critical_first_with_evidence_and_fix():
-    text = format_diagnoses(diagnose(preemption_run()))
+    text = format_diagnoses(diagnose(served(preemption_run())))
     assert text.index("CRITICAL") < text.index("INFO")
     assert "metric" in text and "threshold" in text and "fix:   `--kv-cache-dtype auto → fp8`" in text

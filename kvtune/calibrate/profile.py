@@ -15,6 +15,7 @@ from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
 from kvengine.cost import TIED_TO, CostCoefficients
 
 from ..store import Store, StoreError, missing_database, resolve_db_url
+from ..targets.sim import SimTarget
 
 PROFILE_VERSION = 1
 
@@ -48,6 +49,11 @@ class CalibrationProfile:
     def specs(self) -> tuple[ModelSpec, DeviceSpec]:
         """The model and device presets the sim must run with this profile."""
         return model_preset(self.model), device_preset(self.device)
+
+    def sim_target(self) -> SimTarget:
+        """The simulator this profile calibrates: its presets, coefficients and client overhead."""
+        model, device = self.specs()
+        return SimTarget(model, device, self.coefficients, self.client_overhead_s, self.client_overhead_busy_s)
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)

@@ -4,15 +4,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
 
+from ..calibrate.profile import get_profile
 from ..results import RunResult
+from ..targets.sim import SimTarget
+from ..workload import FORMATS, read_workload, workload_stats
 from ..store import Store, StoreError, add_db_argument, resolve_db_url
 from .facts import gather
 from .model import Diagnosis, Thresholds
+from .pool import specs
 from .report import format_diagnoses, pool_overview, run_title
 from .run import diagnose
 from .signals import Series
+from .trial import Simulator, try_fixes
 from .watch import WatchError, watch
 
 
@@ -33,6 +40,13 @@ def add_diagnose_command(subparsers) -> None:
     p.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
                    help="override a rule threshold, e.g. ttft_p95_slo_s=0.5 (repeatable; names: "
                         + ", ".join(Thresholds.names()) + ")")
+    p.add_argument("--workload", metavar="FILE",
+                   help="--run: the trace the run replayed, for the simulator to try each fix on (default: the "
+                        "run's own trace file, if it is still there as it was)")
+    p.add_argument("--format", choices=FORMATS, help="--workload's format (default: detected from the content)")
+    p.add_argument("--profile", metavar="NAME",
+                   help="--run: the calibrated simulator (`kvtune calibrate --name NAME`) that tries the fixes "
+                        "(default: the run's model and device presets, where it names presets)")
     add_db_argument(p)
     p.add_argument("--json", action="store_true", help="end with one JSON object with a 'diagnoses' list")
     p.set_defaults(func=cmd_diagnose)
@@ -87,7 +101,9 @@ def _diagnose_stored(args, thresholds: Thresholds) -> int:
     row = store.get_run(args.run)
     result = store.load_run(args.run)
     error = (row.error or "(no error recorded)") if row.status == "failed" else None
-    diagnoses = diagnose(result, thresholds, error=error)
+    simulator, why_none = _simulator(args, result)
+    diagnoses = try_fixes(diagnose(result, thresholds, error=error), result, simulator, thresholds,
+                          why_none=why_none)
     store.save_diagnoses(args.run, diagnoses)
     label = f"run {args.run}" + (" (failed)" if error is not None else "")
     _print(result, label, diagnoses, thresholds, args.json, {"run_id": args.run},
@@ -98,9 +114,43 @@ def _diagnose_stored(args, thresholds: Thresholds) -> int:
 def _diagnose_live(args, thresholds: Thresholds) -> int:
     print(f"watching {args.url} for {args.duration:g} s ...", file=sys.stderr)
     result = watch(args.url, args.duration, args.interval)
-    diagnoses = diagnose(result, thresholds)
+    diagnoses = try_fixes(diagnose(result, thresholds), result, None, thresholds,
+                          why_none="a watched server gives no requests to replay (`kvtune run` then "
+                                   "`kvtune diagnose --run ID` tries each fix in the simulator)")
     _print(result, args.url, diagnoses, thresholds, args.json, {"url": args.url}, None)
     return 0
+
+
+def _simulator(args, result: RunResult) -> tuple[Simulator | None, str]:
+    """The simulator that tries the fixes on the run's own trace, or why there is none."""
+    workload, why = _replayed_workload(args.workload, args.format, result)
+    if workload is None:
+        return None, why
+    if args.profile:
+        profile = get_profile(args.db, args.profile)
+        return Simulator.of(profile.sim_target(), workload, args.profile), ""
+    found = specs(result)
+    if found is None:
+        return None, (f"no simulator for this {result.target} server: pass --profile NAME (from `kvtune "
+                      "calibrate`) to try the fixes")
+    return Simulator.of(SimTarget(*found), workload), ""
+
+
+def _replayed_workload(path: str | None, fmt: str | None, result: RunResult):
+    """The trace the run replayed, checked against the profile stored with the run."""
+    path = path or result.workload.get("source")
+    if not path or not os.path.isfile(path):
+        return None, "the run's trace is not at hand: pass --workload FILE to try the fixes in the simulator"
+    workload = read_workload(path, format=fmt)
+    stored = result.workload
+    mine = workload_stats(workload, block_size=stored.get("block_size") or 16)
+    differ = [k for k in ("requests", "prompt_tokens", "output_tokens") if stored.get(k) not in (None, mine[k])]
+    if stored.get("duration_s") and not math.isclose(stored["duration_s"], mine["duration_s"], rel_tol=0.01):
+        differ.append("duration_s")
+    if differ:
+        return None, (f"{path} is not the trace this run replayed ({', '.join(differ)} differ; a --head or "
+                      "--rate-scale?): pass --workload with the trace as replayed to try the fixes")
+    return workload, ""
 
 
 def _print(result: RunResult, label: str, diagnoses: list[Diagnosis], thresholds: Thresholds, as_json: bool,

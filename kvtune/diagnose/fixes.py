@@ -14,9 +14,13 @@ UTILIZATION_STEP = 0.05
 
 
 def fp8_kv(f: RunFacts, why: str = "") -> FlagChange | None:
+    """8-bit K/V; for room only where the pool is sized in bytes: --num-gpu-blocks-override fixes the
+    block count, so fp8 then halves the bytes each step reads but holds not one token more."""
     dtype = f.config.get("kv_cache_dtype") or "auto"
-    if dtype != "auto":
+    if dtype != "auto" or (not why and f.config.get("num_gpu_blocks_override")):
         return None
+    if f.config.get("num_gpu_blocks_override"):
+        return FlagChange("--kv-cache-dtype", dtype, "fp8", why)
     gain = fp8_gain(f.result)
     effect = why
     if f.pool:
@@ -45,8 +49,6 @@ def raise_utilization(f: RunFacts) -> FlagChange | None:
     """A few points more of the device for the pool, never past the suggested ceiling; where
     the pool is sized another way (CPU vLLM's VLLM_CPU_KVCACHE_SPACE, --kv-cache-memory-bytes)
     utilisation does nothing, and the fix grows that knob instead."""
-    if f.config.get("num_gpu_blocks_override"):
-        return None
     sized = grow_fixed_pool(f)
     if sized is not None:
         return sized
@@ -72,6 +74,11 @@ def grow_fixed_pool(f: RunFacts) -> FlagChange | None:
         return FlagChange(CPU_KV_SPACE, space, f"{gib * POOL_GROWTH:g}",
                           grown + (", " if grown else "") + "GiB of host memory for the KV pool "
                           "(gpu_memory_utilization is ignored while it is set)")
+    blocks = f.config.get("num_gpu_blocks_override")
+    if blocks:
+        return FlagChange("--num-gpu-blocks-override", blocks, int(blocks * POOL_GROWTH),
+                          grown + (", " if grown else "") + "the pool's size is fixed in blocks: "
+                          "utilisation and fp8 do not change it")
     nbytes = f.config.get("kv_cache_memory_bytes")
     if nbytes:
         return FlagChange("--kv-cache-memory-bytes", nbytes, int(nbytes * POOL_GROWTH), grown)

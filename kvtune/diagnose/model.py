@@ -62,6 +62,14 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_stored(cls, row) -> "Diagnosis":
+        """A diagnosis as the store keeps it (store.DiagnosisRow): evidence and trials as plain dicts."""
+        evidence = [Evidence(e.get("metric", ""), e.get("window", ""), e.get("value"), str(e.get("threshold", "")))
+                    if isinstance(e, dict) else Evidence(str(e), "", None, "") for e in row.evidence]
+        trials = [FixTrial(**t) for t in getattr(row, "trials", None) or []]
+        return cls(row.fault_id, row.severity, row.symptom, evidence, row.cause, row.fix, trials)
+
 
 @dataclass(frozen=True)
 class Thresholds:

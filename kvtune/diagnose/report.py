@@ -12,7 +12,7 @@ from kvengine.memory import max_concurrency
 
 from ..results import RunResult
 from .facts import RunFacts
-from .model import SEVERITIES, Diagnosis
+from .model import SEVERITIES, UNTESTED, Diagnosis
 
 HEADER = ("metric", "window", "value", "threshold")
 WIDEST_VALUE = 100  # an error message as evidence: the table shows its start, the JSON all of it
@@ -48,10 +48,19 @@ def format_diagnoses(diagnoses: list[Diagnosis]) -> str:
     for severity in SEVERITIES:
         for d in (d for d in diagnoses if d.severity == severity):
             lines += [f"{severity.upper():<9} {d.id}  {d.symptom}", *evidence_table(d),
-                      f"    cause: {d.cause}", f"    fix:   {d.fix}", ""]
+                      f"    cause: {d.cause}", f"    fix:   {d.fix}", *trial_lines(d), ""]
     counts = ", ".join(f"{sum(d.severity == s for d in diagnoses)} {s}" for s in SEVERITIES)
     lines.append(f"{len(diagnoses)} finding{'s' * (len(diagnoses) != 1)}: {counts}")
     return "\n".join(lines)
+
+
+def trial_lines(d: Diagnosis, indent: str = "    ") -> list[str]:
+    """What each proposed change did when the simulator tried it (the fix line keeps those that
+    helped). Nothing where none could be tried: the fix line says why."""
+    if all(t.verdict == UNTESTED for t in d.trials):
+        return []
+    return [f"{indent}{'tried:' if i == 0 else '':<6} {t.verdict}: {t.change}: {t.note}"
+            for i, t in enumerate(d.trials)]
 
 
 def pool_overview(f: RunFacts) -> list[str]:

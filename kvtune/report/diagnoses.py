@@ -2,7 +2,7 @@
 a report only reads)."""
 from __future__ import annotations
 
-from ..diagnose import Diagnosis, Evidence, diagnose
+from ..diagnose import Diagnosis, diagnose
 from ..diagnose.facts import gather
 from ..diagnose.report import pool_overview
 from ..search.slo import SLO, diagnosis_thresholds
@@ -14,17 +14,10 @@ def run_diagnoses(db_url: str, run: RunView, slos: list[SLO]) -> list[Diagnosis]
     with Store(db_url) as store:
         stored = store.load_diagnoses(run.run_id)
     if stored:
-        return [Diagnosis(d.fault_id, d.severity, d.symptom, [_evidence(e) for e in d.evidence], d.cause, d.fix)
-                for d in stored]
+        return [Diagnosis.from_stored(d) for d in stored]
     return diagnose(run.result, diagnosis_thresholds(slos))
 
 
 def pool_lines(run: RunView, slos: list[SLO]) -> list[str]:
     """Used and free blocks, hit rate, preemptions and the contiguous comparison, as the fault card asks."""
     return pool_overview(gather(run.result, diagnosis_thresholds(slos)))
-
-
-def _evidence(e) -> Evidence:
-    if isinstance(e, dict):
-        return Evidence(e.get("metric", ""), e.get("window", ""), e.get("value"), str(e.get("threshold", "")))
-    return Evidence(str(e), "", None, "")

@@ -10,6 +10,7 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 from ..calibrate import get_profile
 from ..environment import host_environment
 from ..store import Store, add_db_argument, resolve_db_url
+from ..diagnose.trial import Simulator
 from ..targets import SimTarget
 from ..targets.build import add_server_flags, live_target
 from ..workload import FORMATS, head, read_workload
@@ -111,8 +112,8 @@ def _search(args, live_targets: list) -> int:
     workload = read_workload(args.workload, format=args.format)  # a bad trace fails before anything is made
     if args.profile:
         profile = get_profile(args.db, args.profile)
-        model, device = profile.specs()
-        sim = SimTarget(model, device, profile.coefficients, profile.client_overhead_s, profile.client_overhead_busy_s)
+        sim = profile.sim_target()
+        model, device = sim.model, sim.device
         args.preset, args.device = profile.model, profile.device
     else:
         model, device = model_preset(args.preset), device_preset(args.device)
@@ -177,7 +178,8 @@ def _search(args, live_targets: list) -> int:
               f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
         run_stage2(live.run, candidates, space, base, live_workload, objective, store, name, plan,
                    on_result=lambda o: print(f"  {o.candidate.label} #{o.repeat}: " + (
-                       f"failed: {o.error}" if o.error else _score_text(o.score))))
+                       f"failed: {o.error}" if o.error else _score_text(o.score))),
+                   simulator=Simulator.of(sim, live_workload, args.profile))
         for note in plan.notes:
             print(f"note: {note}")
     from ..report.data import load_report_data  # the report's verdict is the one printed here

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvengine.config import EngineConfig
 
 from ..diagnose import diagnose
+from ..diagnose.trial import Simulator, try_fixes
 from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
@@ -82,7 +83,8 @@ def representable(space: SearchSpace, params: dict) -> bool:
 
 def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
-               on_result=None) -> list[LiveOutcome]:
+               on_result=None, simulator: Simulator | None = None) -> list[LiveOutcome]:
+    """Each run's diagnoses are stored with it, their fixes first tried on `simulator`."""
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
     dflt = next((c.params for c in candidates if c.label == "default"), None)
@@ -92,7 +94,8 @@ def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: Engin
         for cand in active:
             if plan.budget is not None and spent >= plan.budget:
                 return outcomes
-            outcome = _run_once(run, cand, repeat, space.config(cand.params, base), workload, objective, store, study)
+            outcome = _run_once(run, cand, repeat, space.config(cand.params, base), workload, objective, store, study,
+                                simulator)
             outcomes.append(outcome)
             spent += 1
             _save_config_row(store, study, cand, [o for o in outcomes if o.candidate is cand], objective)
@@ -111,7 +114,7 @@ def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: Engin
 
 
 def _run_once(run, cand: Candidate, repeat: int, config: EngineConfig, workload, objective: Objective,
-              store: Store, study: str) -> LiveOutcome:
+              store: Store, study: str, simulator: Simulator | None) -> LiveOutcome:
     outcome = LiveOutcome(cand, repeat)
     label = f"{LIVE_LABEL} {cand.label} #{repeat}"
     try:
@@ -128,7 +131,9 @@ def _run_once(run, cand: Candidate, repeat: int, config: EngineConfig, workload,
     result.summary["doubts"] = run_doubts(result, outcome.score)
     result.summary["repeat"] = repeat
     outcome.run_id = store.save_run(result, study=study, trial=cand.number, label=label)
-    store.save_diagnoses(outcome.run_id, diagnose(result, diagnosis_thresholds(list(objective.slos))))
+    thresholds = diagnosis_thresholds(list(objective.slos))
+    store.save_diagnoses(outcome.run_id, try_fixes(diagnose(result, thresholds), result, simulator, thresholds,
+                                                   objective.slos))
     outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
     return outcome
 

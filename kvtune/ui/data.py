@@ -15,7 +15,7 @@ import sqlalchemy
 import streamlit as st
 from sqlalchemy.engine import make_url
 
-from ..diagnose import Diagnosis, Evidence, diagnose
+from ..diagnose import Diagnosis, diagnose
 from ..report.data import ReportData, load_report_data
 from ..report.importance import Importance, param_importance
 from ..report.words import value_label
@@ -158,18 +158,11 @@ def run_diagnoses(url: str, row: RunSummaryRow) -> tuple[list[Diagnosis], bool]:
     """The run's stored diagnoses, else worked out now (and not stored); and whether they were stored."""
     stored = stored_diagnoses(url, row.id)
     if stored:
-        return [Diagnosis(d.fault_id, d.severity, d.symptom, [_evidence(e) for e in d.evidence], d.cause, d.fix)
-                for d in stored], True
+        return [Diagnosis.from_stored(d) for d in stored], True
     result = run_result(url, row.id, row.status)
     if result is None or row.status == "running":
         return [], False
     return diagnose(result, error=row.error if row.status == "failed" else None), False
-
-
-def _evidence(e) -> Evidence:
-    if isinstance(e, dict):
-        return Evidence(e.get("metric", ""), e.get("window", ""), e.get("value"), str(e.get("threshold", "")))
-    return Evidence(str(e), "", None, "")
 
 
 # ---------------------------------------------------------------- studies

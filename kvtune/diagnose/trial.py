@@ -1,0 +1,292 @@
+"""Every proposed flag change is tried in the simulator before it is printed as a fix.
+
+`try_fixes` replays the run's own workload in the simulator as the run was configured (the
+baseline) and once per proposed change. A change is printed as a fix only where the baseline
+shows the same fault and the change removes it, without missing an SLO the baseline met,
+without rejecting more requests, and without making TTFT or e2e p95 worse than the baseline's
+by more than MARGIN (plus MARGIN_S). Fixes that helped come first, the best first; the others
+stay in `Diagnosis.trials` with their numbers. Where the simulator cannot try a change (more
+GPUs, an action on the prompts) or does not show the fault at all, the fix says so.
+
+A live server's pool is mirrored: the simulator gets the server's own block count
+(`num_gpu_blocks`), scaled by what each change does to it, so the trial holds what the
+server would hold whatever the simulator's device preset plans.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvengine.config import ConfigError, EngineConfig
+
+from ..results import RunResult
+from ..targets.base import TargetStartError
+from ..targets.sim import SimTarget, config_dict
+from ..workload import Workload
+from .fixes import CPU_KV_SPACE
+from .model import HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds
+from .pool import engine_config, fp8_gain, replan
+from .run import diagnose
+
+MARGIN = 0.10  # TTFT or e2e p95 may grow by this share of the baseline's ...
+MARGIN_S = 0.02  # ... plus this many seconds, before a fix counts as making latency worse
+WORSE_IF_HIGHER = ("ttft_p95", "e2e_p95")
+FIELDS = {"--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_num_seqs",
+          "--max-model-len": "max_model_len", "--max-num-batched-tokens": "max_num_batched_tokens",
+          "--block-size": "block_size", "--enable-prefix-caching": "enable_prefix_caching",
+          "--enable-chunked-prefill": "enable_chunked_prefill",
+          "--gpu-memory-utilization": "gpu_memory_utilization",
+          "--kv-cache-memory-bytes": "kv_cache_memory_bytes", "--num-gpu-blocks-override": "num_gpu_blocks_override",
+          CPU_KV_SPACE: CPU_KV_SPACE}
+SIZE_KNOBS = ("--num-gpu-blocks-override", "--kv-cache-memory-bytes", CPU_KV_SPACE)
+GROWTHS = (1.5, 2.0, 3.0, 4.0)
+NOT_SIMULATED = {"--tensor-parallel-size": "a change of hardware: the simulator runs one device"}
+
+
+@dataclass
+class Simulator:
+    """The simulator the trials run on, the workload they replay, and what to call it."""
+
+    target: SimTarget
+    workload: Workload
+    label: str
+    runs: dict = field(default_factory=dict)  # config -> RunResult, or why it did not start
+
+    @classmethod
+    def of(cls, target: SimTarget, workload: Workload, profile: str | None = None) -> "Simulator":
+        how = f"calibrated profile {profile!r}" if profile else "uncalibrated presets"
+        return cls(target, workload, f"the simulator ({target.model.name} on {target.device.name}, {how})")
+
+    def run(self, config: EngineConfig) -> RunResult | str:
+        key = json.dumps(config_dict(config), sort_keys=True, default=str)
+        if key not in self.runs:
+            try:
+                self.runs[key] = self.target.run(config, self.workload)
+            except (TargetStartError, ConfigError, ValueError) as err:
+                self.runs[key] = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return self.runs[key]
+
+
+def try_fixes(diagnoses: list[Diagnosis], result: RunResult, sim: Simulator | None, th: Thresholds,
+              slos=(), why_none: str = "no simulator for this server") -> list[Diagnosis]:
+    """The diagnoses with every flag change tried; `slos` are objects with metric, percentile,
+    threshold_s and request_value(record) (search.slo.SLO), TTFT p95 from `th` when none."""
+    for d in diagnoses:
+        if d.changes and d.id != INSUFFICIENT_DATA:
+            _try(d, result, sim, th, slos, why_none)
+    return diagnoses
+
+
+def _try(d: Diagnosis, result: RunResult, sim: Simulator | None, th: Thresholds, slos, why_none: str) -> None:
+    if sim is None:
+        return _untested(d, why_none)
+    try:
+        base_config = mirrored_config(result)
+    except (TypeError, ValueError) as err:
+        return _untested(d, f"the run's config is not one the simulator takes ({err})")
+    base = sim.run(base_config)
+    shown = _shows(d.id, base, th)
+    if shown is not None:
+        return _untested(d, f"{sim.label} does not show {d.id} on this workload ({shown})")
+    for change in d.changes:
+        d.trials.append(sized_trial(d.id, change, result, base_config, base, sim, th, slos))
+    _rewrite(d, sim.label)
+
+
+def sized_trial(fault: str, change: FlagChange, result: RunResult, base_config: EngineConfig,
+                base: RunResult | str, sim: Simulator, th: Thresholds, slos) -> FixTrial:
+    """A pool-size knob that did not help at the size proposed is tried larger, up to GROWTHS[-1]
+    times the current size: the fix then names the smallest size that helped."""
+    first = trial(fault, change, result, base_config, base, sim, th, slos)
+    if first.verdict != NO_HELP or change.flag not in SIZE_KNOBS or not first.after:
+        return first
+    old = float(change.old)
+    for growth in GROWTHS:
+        new = round(old * growth, 2) if change.flag == CPU_KV_SPACE else int(old * growth)
+        if new <= float(change.new):
+            continue
+        bigger = FlagChange(change.flag, change.old, new if change.flag != CPU_KV_SPACE else f"{new:g}",
+                            f"{growth:g}× the pool: the smallest of {', '.join(f'{g:g}×' for g in GROWTHS)} "
+                            f"that removed {fault} in the simulator")
+        attempt = trial(fault, bigger, result, base_config, base, sim, th, slos)
+        if attempt.verdict == HELPED:
+            return attempt
+    return first
+
+
+def trial(fault: str, change: FlagChange, result: RunResult, base_config: EngineConfig,
+          base: RunResult | str, sim: Simulator, th: Thresholds, slos) -> FixTrial:
+    before = figures(base)
+    config = changed_config(result, base_config, change)
+    if isinstance(config, str):
+        return FixTrial(str(change), UNTESTED, config, before)
+    fixed = sim.run(config)
+    after = figures(fixed)
+    if isinstance(fixed, str):
+        return FixTrial(str(change), NO_HELP, f"the simulator would not start it: {fixed[:200]}", before, after)
+    problems = _problems(fault, base, fixed, th, slos)
+    verdict = NO_HELP if problems else HELPED
+    note = "; ".join(problems) if problems else f"{fault} is gone"
+    return FixTrial(str(change), verdict, f"{note} ({effect_text(before, after)})", before, after)
+
+
+def _problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos) -> list[str]:
+    out = []
+    if _shows(fault, fixed, th) is None:
+        out.append(f"{fault} still shows")
+    before, after = figures(base), figures(fixed)
+    if after["rejected"] > before.get("rejected", too_long(base, fixed)):
+        out.append(f"rejects {after['rejected']} of {after['requests']} requests")
+    if isinstance(base, RunResult):
+        out += [f"misses {slo_text(s)} that the run met" for s in _slos(slos, th)
+                if meets(s, base) and not meets(s, fixed)]
+        for name in WORSE_IF_HIGHER:
+            b, a = before.get(name), after.get(name)
+            if b is not None and a is not None and a > b * (1 + MARGIN) + MARGIN_S:
+                out.append(f"{name.replace('_', ' ')} worse by more than {MARGIN:.0%} + {MARGIN_S * 1000:g} ms")
+    return out
+
+
+def _shows(fault: str, run: RunResult | str, th: Thresholds) -> str | None:
+    """None where the run shows `fault`; else what it shows instead, in a few words."""
+    if isinstance(run, str):
+        return None if fault in ("F5", "START") else f"it would not start: {run[:120]}"
+    if fault in ("F5", "START"):
+        return "it starts"
+    found = [x.id for x in diagnose(run, th)]
+    return None if fault in found else ("it finds " + ", ".join(found) if found else "it finds no fault")
+
+
+def mirrored_config(result: RunResult) -> EngineConfig:
+    """The run's config for the simulator: with the pool of blocks the server reported, if it did."""
+    config = engine_config(result.config)
+    served = result.config.get("num_gpu_blocks")
+    if served and not result.config.get("num_gpu_blocks_override"):
+        config = dataclasses.replace(config, num_gpu_blocks_override=int(served))
+    return config
+
+
+def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) -> EngineConfig | str:
+    """The config with `change` applied, or why the simulator cannot try it."""
+    if change.flag in NOT_SIMULATED:
+        return NOT_SIMULATED[change.flag]
+    name = FIELDS.get(change.flag)
+    if name is None:
+        return f"{change.flag} is not a knob of the simulator"
+    value = {"on": True, "off": False}.get(change.new, change.new) if isinstance(change.new, str) else change.new
+    mirrored = bool(result.config.get("num_gpu_blocks")) and not result.config.get("num_gpu_blocks_override")
+    if name == CPU_KV_SPACE:
+        if not mirrored:
+            return "the simulator sizes no pool from VLLM_CPU_KVCACHE_SPACE without the server's block count"
+        return _scaled(base, float(value) / float(change.old))
+    config = dataclasses.replace(base, **{name: value})
+    if not mirrored:
+        return config
+    if name == "kv_cache_dtype":
+        return _scaled(config, fp8_gain(result))
+    if name == "block_size":
+        return _scaled(config, (base.block_size or 16) / value)
+    if name in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+        ratio = _pool_ratio(result, name, change)
+        return _scaled(config, ratio) if ratio else "the pool this gives on the server is not known to the simulator"
+    return config
+
+
+def _scaled(config: EngineConfig, ratio: float) -> EngineConfig:
+    return dataclasses.replace(config, num_gpu_blocks_override=max(int(config.num_gpu_blocks_override * ratio), 1))
+
+
+def _pool_ratio(result: RunResult, name: str, change: FlagChange) -> float | None:
+    if name == "kv_cache_memory_bytes":
+        return change.new / change.old if change.old else None
+    old, new = replan(result), replan(result, gpu_memory_utilization=change.new)
+    return new.num_gpu_blocks / old.num_gpu_blocks if old and new and old.num_gpu_blocks else None
+
+
+def figures(run: RunResult | str) -> dict:
+    if isinstance(run, str):
+        return {}
+    s = run.summary
+    keys = ("requests", "completed", "rejected", "throughput_rps", "ttft_p95", "e2e_p95", "tpot_p95",
+            "itl_p95", "preemptions", "prefix_hit_rate")
+    return {k: s.get(k) for k in keys}
+
+
+def too_long(base: RunResult | str, fixed: RunResult) -> int:
+    """Where the baseline did not start, the requests any server at the asked limit would refuse."""
+    limit = fixed.config.get("max_model_len") if isinstance(base, str) else None
+    return sum(r.finish_reason == "rejected" and r.prompt_tokens >= (limit or math.inf) for r in fixed.requests)
+
+
+def _slos(slos, th: Thresholds):
+    return list(slos) or [_TtftSlo(th.ttft_p95_slo_s)]
+
+
+@dataclass(frozen=True)
+class _TtftSlo:
+    threshold_s: float
+    metric: str = "ttft"
+    percentile: int = 95
+
+    def request_value(self, rec):
+        return rec.ttft_s
+
+
+def meets(slo, run: RunResult) -> bool:
+    values = [v for r in run.requests if r.ok and (v := slo.request_value(r)) is not None]
+    return bool(values) and float(np.percentile(values, slo.percentile)) <= slo.threshold_s
+
+
+def slo_text(slo) -> str:
+    return f"{slo.metric}_p{slo.percentile} <= {slo.threshold_s * 1000:g} ms"
+
+
+def effect_text(before: dict, after: dict) -> str:
+    parts = []
+    for key, name in (("ttft_p95", "TTFT p95"), ("e2e_p95", "e2e p95"), ("preemptions", "preemptions"),
+                      ("rejected", "rejected")):
+        b, a = before.get(key), after.get(key)
+        if a is None or (key in ("preemptions", "rejected") and not b and not a):
+            continue
+        shown = _seconds if key.endswith("p95") else str
+        parts.append(f"{name} {shown(b) if b is not None else '?'} → {shown(a)}")
+    b, a = before.get("prefix_hit_rate"), after.get("prefix_hit_rate")
+    if a is not None and b is not None and abs(a - b) >= 0.01:
+        parts.append(f"prefix hits {b:.0%} → {a:.0%}")
+    b, a = before.get("throughput_rps"), after.get("throughput_rps")
+    if a is not None and b:
+        parts.append("same throughput" if abs(a / b - 1) < 0.02 else f"throughput {b:.2f} → {a:.2f} req/s")
+    return ", ".join(parts)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _rank_key(t: FixTrial) -> float:
+    """Lower is better: the fix's TTFT and e2e p95 over the baseline's."""
+    ratios = [t.after[k] / t.before[k] for k in WORSE_IF_HIGHER if t.before.get(k) and t.after.get(k) is not None]
+    return sum(ratios) / len(ratios) if ratios else 1.0
+
+
+def _rewrite(d: Diagnosis, label: str) -> None:
+    helped = sorted((t for t in d.trials if t.verdict == HELPED), key=_rank_key)
+    untested = [t for t in d.trials if t.verdict == UNTESTED]
+    actions = [o for o in d.options if isinstance(o, str)]
+    parts = [f"{t.change} [in {label}: {effect_text(t.before, t.after)}]" for t in helped]
+    parts += [f"{t.change} [not simulated: {t.note}]" for t in untested]
+    if not helped:
+        tried = [t for t in d.trials if t.verdict == NO_HELP]
+        lead = f"no proposed flag change removed {d.id} in {label}" if tried else ""
+        d.fix = "; ".join(p for p in (lead, "; or ".join(parts + actions)) if p) or lead
+        return
+    d.fix = "; or ".join(parts + actions)
+
+
+def _untested(d: Diagnosis, why: str) -> None:
+    d.trials = [FixTrial(str(c), UNTESTED, why) for c in d.changes]
+    d.fix = f"{d.fix} [untested: {why}]"
