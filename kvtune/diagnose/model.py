@@ -56,6 +56,12 @@ class Diagnosis:
             self.fix = join_fixes(*self.options)
 
     @property
+    def tried(self) -> list[FixTrial]:
+        """The trials to show: all of them where the simulator ran any (none where it could try
+        nothing: the fix line says why)."""
+        return self.trials if any(t.verdict != UNTESTED for t in self.trials) else []
+
+    @property
     def changes(self) -> list["FlagChange"]:
         return [o for o in self.options if isinstance(o, FlagChange)]
 

@@ -12,7 +12,7 @@ from kvengine.memory import max_concurrency
 
 from ..results import RunResult
 from .facts import RunFacts
-from .model import SEVERITIES, UNTESTED, Diagnosis
+from .model import SEVERITIES, Diagnosis
 
 HEADER = ("metric", "window", "value", "threshold")
 WIDEST_VALUE = 100  # an error message as evidence: the table shows its start, the JSON all of it
@@ -55,12 +55,9 @@ def format_diagnoses(diagnoses: list[Diagnosis]) -> str:
 
 
 def trial_lines(d: Diagnosis, indent: str = "    ") -> list[str]:
-    """What each proposed change did when the simulator tried it (the fix line keeps those that
-    helped). Nothing where none could be tried: the fix line says why."""
-    if all(t.verdict == UNTESTED for t in d.trials):
-        return []
+    """What each proposed change did when the simulator tried it (the fix line keeps those that helped)."""
     return [f"{indent}{'tried:' if i == 0 else '':<6} {t.verdict}: {t.change}: {t.note}"
-            for i, t in enumerate(d.trials)]
+            for i, t in enumerate(d.tried)]
 
 
 def pool_overview(f: RunFacts) -> list[str]:

@@ -139,7 +139,14 @@ def _diagnosis(d: Diagnosis) -> list[Block]:
     rows = [[e.metric, e.window, show(e.value), e.threshold] for e in d.evidence]
     return [Paragraph(f"**{d.id}** ({d.severity}): {d.symptom}"),
             Table(["evidence", "window", "value", "compared with"], rows, numeric=[False, False, True, False]),
-            Bullets([f"**Cause**: {d.cause}", f"**Fix**: {d.fix}"])]
+            Bullets([f"**Cause**: {d.cause}", f"**Fix**: {d.fix}"]),
+            *_trials(d)]
+
+
+def _trials(d: Diagnosis) -> list[Block]:
+    """Every change the simulator tried for this fault, those that did not help included."""
+    rows = [[t.change, t.verdict, t.note] for t in d.tried]
+    return [Table(["change tried in the simulator", "verdict", "what it did"], rows)] if rows else []
 
 
 # ---------------------------------------------------------------- 6. capacity

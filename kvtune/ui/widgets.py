@@ -79,6 +79,9 @@ def diagnosis_cards(diagnoses: list[Diagnosis], key: str, headings: bool = False
                     st.dataframe(evidence_frame(d), hide_index=True)
                 st.markdown(f"**Cause:** {d.cause}")
                 st.markdown(f"**Fix:** {d.fix}")
+                if d.tried:
+                    st.dataframe(pd.DataFrame([{"change tried in the simulator": t.change, "verdict": t.verdict,
+                                                "what it did": t.note} for t in d.tried]), hide_index=True)
 
 
 def evidence_frame(d: Diagnosis) -> pd.DataFrame:
