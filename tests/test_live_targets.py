@@ -7,7 +7,10 @@ import threading
 
 import pytest
 
-from kvengine.config import EngineConfig
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvtune.diagnose import Thresholds
+from kvtune.diagnose.facts import gather
+from kvtune.diagnose.report import pool_overview
 from kvtune.store import Store
 from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunError, TargetStartError,
                             UrlTarget, VllmTarget)
@@ -186,6 +189,14 @@ def test_engine_target_stops_its_server():
     result = target.run(EngineConfig(), Workload([TraceRequest(0.0, 50, 4), TraceRequest(0.1, 60, 4)]))
     assert result.summary["completed"] == 2
     assert _engine_server_pids() <= before, "a kvengine server outlived its run"
+    # The knobs left to the server are stored as it resolved them (a fix never reads "current"),
+    # and the pool overview can compare with a contiguous reservation at max_model_len.
+    resolved = EngineConfig().resolve(model_preset("llama-3-8b"), device_preset("h100-80gb"))
+    assert result.config["max_num_seqs"] == resolved.max_num_seqs
+    assert result.config["max_num_batched_tokens"] == resolved.max_num_batched_tokens
+    assert result.config["max_model_len"] == resolved.max_model_len == 8192
+    lines = pool_overview(gather(result, Thresholds()))
+    assert any(line.startswith("contiguous   reserving max_model_len (8,192)") for line in lines)
 
 
 def test_the_checked_server_serves_the_next_run_of_its_config_and_no_other():

@@ -29,6 +29,8 @@ class FixTrial:
     note: str  # why: what it did to the symptom and the SLOs, or why it could not be simulated
     before: dict = field(default_factory=dict)  # the simulator's figures without the fix
     after: dict = field(default_factory=dict)  # ... and with it
+    flag: str = ""  # the change as a flag and the value it sets, for a caller to apply
+    value: object = None
 
 
 HELPED, NO_HELP, UNTESTED = "helped", "did not help", "untested"

@@ -120,21 +120,23 @@ def sized_trial(fault: str, change: FlagChange, result: RunResult, base_config: 
 
 def trial(fault: str, change: FlagChange, result: RunResult, base_config: EngineConfig,
           base: RunResult | str, sim: Simulator, th: Thresholds, slos) -> FixTrial:
+    def made(verdict: str, note: str, after: dict | None = None) -> FixTrial:
+        return FixTrial(str(change), verdict, note, before, after or {}, change.flag, change.new)
+
     before = figures(base)
     config = changed_config(result, base_config, change)
     if isinstance(config, str):
-        return FixTrial(str(change), UNTESTED, config, before)
+        return made(UNTESTED, config)
     fixed = sim.run(config)
-    after = figures(fixed)
     if isinstance(fixed, str):
-        return FixTrial(str(change), NO_HELP, f"the simulator would not start it: {fixed[:200]}", before, after)
-    problems = _problems(fault, base, fixed, th, slos)
-    verdict = NO_HELP if problems else HELPED
-    note = "; ".join(problems) if problems else f"{fault} is gone"
-    return FixTrial(str(change), verdict, f"{note} ({effect_text(before, after)})", before, after)
+        return made(NO_HELP, f"the simulator would not start it: {fixed[:200]}")
+    after = figures(fixed)
+    found = problems(fault, base, fixed, th, slos)
+    note = "; ".join(found) if found else f"{fault} is gone"
+    return made(NO_HELP if found else HELPED, f"{note} ({effect_text(before, after)})", after)
 
 
-def _problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos) -> list[str]:
+def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos) -> list[str]:
     out = []
     if _shows(fault, fixed, th) is None:
         out.append(f"{fault} still shows")
@@ -172,20 +174,15 @@ def mirrored_config(result: RunResult) -> EngineConfig:
 
 def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) -> EngineConfig | str:
     """The config with `change` applied, or why the simulator cannot try it."""
-    if change.flag in NOT_SIMULATED:
-        return NOT_SIMULATED[change.flag]
-    name = FIELDS.get(change.flag)
-    if name is None:
-        return f"{change.flag} is not a knob of the simulator"
-    value = {"on": True, "off": False}.get(change.new, change.new) if isinstance(change.new, str) else change.new
     mirrored = bool(result.config.get("num_gpu_blocks")) and not result.config.get("num_gpu_blocks_override")
-    if name == CPU_KV_SPACE:
+    if change.flag == CPU_KV_SPACE:
         if not mirrored:
             return "the simulator sizes no pool from VLLM_CPU_KVCACHE_SPACE without the server's block count"
-        return _scaled(base, float(value) / float(change.old))
-    config = dataclasses.replace(base, **{name: value})
-    if not mirrored:
+        return _scaled(base, float(change.new) / float(change.old))
+    config = apply_change(base, change)
+    if isinstance(config, str) or not mirrored:
         return config
+    name, value = FIELDS[change.flag], getattr(config, FIELDS[change.flag])
     if name == "kv_cache_dtype":
         return _scaled(config, fp8_gain(result))
     if name == "block_size":
@@ -194,6 +191,17 @@ def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) ->
         ratio = _pool_ratio(result, name, change)
         return _scaled(config, ratio) if ratio else "the pool this gives on the server is not known to the simulator"
     return config
+
+
+def apply_change(config: EngineConfig, change: FlagChange) -> EngineConfig | str:
+    """The engine config with the flag set as the change asks, or why no engine flag does that."""
+    if change.flag in NOT_SIMULATED:
+        return NOT_SIMULATED[change.flag]
+    name = FIELDS.get(change.flag)
+    if name is None or name == CPU_KV_SPACE:
+        return f"{change.flag} is not a knob of the simulator"
+    value = {"on": True, "off": False}.get(change.new, change.new) if isinstance(change.new, str) else change.new
+    return dataclasses.replace(config, **{name: value})
 
 
 def _scaled(config: EngineConfig, ratio: float) -> EngineConfig:
@@ -288,5 +296,5 @@ def _rewrite(d: Diagnosis, label: str) -> None:
 
 
 def _untested(d: Diagnosis, why: str) -> None:
-    d.trials = [FixTrial(str(c), UNTESTED, why) for c in d.changes]
+    d.trials = [FixTrial(str(c), UNTESTED, why, flag=c.flag, value=c.new) for c in d.changes]
     d.fix = f"{d.fix} [untested: {why}]"

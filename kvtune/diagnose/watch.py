@@ -15,7 +15,7 @@ import numpy as np
 from ..gpu import GpuLog, GpuSampler
 from ..results import RunResult
 from ..scrape import ScrapeError, ScrapeLog, Scraper
-from ..targets.live import server_figures
+from ..targets.live import config_from_cache_info, served_max_model_len, server_figures
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 GPU_SERIES = ("gpu_utilization", "gpu_memory_used", "gpu_memory_total")
@@ -40,6 +40,9 @@ def watch(url: str, duration_s: float, interval_s: float = 1.0) -> RunResult:
         pass  # diagnose what was seen so far
     log = scraper.stop()
     result = result_from_scrape(log, url)
+    limit = served_max_model_len(url)
+    if limit:
+        result.config["max_model_len"] = limit
     if gpu is not None:
         result.series |= gpu_series_at_scrapes(gpu.stop(), log)
     return result
@@ -61,33 +64,10 @@ def result_from_scrape(log: ScrapeLog, url: str) -> RunResult:
     model = (snapshot.model_name if snapshot else None) or url
     span = series["time"][-1] if series["time"] else 0.0
     result = RunResult(target="url", model=model, device="unknown",
-                       config=config_from_cache_info(_latest_info(log)),
+                       config=config_from_cache_info(log),
                        workload=profile_from_histograms(log, url), requests=[], series=series, duration_s=span)
     result.summary = server_figures(log)
     return result
-
-
-def _latest_info(log: ScrapeLog) -> dict:
-    return next((s.info for s in reversed(log.snapshots) if s.info), {})
-
-
-def config_from_cache_info(info: dict[str, str]) -> dict:
-    """The labels of vllm:cache_config_info as config values (every value is a string there)."""
-    def number(key, kind):
-        try:
-            return kind(info[key])
-        except (KeyError, ValueError):
-            return None
-
-    config = {
-        "block_size": number("block_size", int),
-        "gpu_memory_utilization": number("gpu_memory_utilization", float),
-        "kv_cache_dtype": info.get("cache_dtype"),
-        "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
-        "num_gpu_blocks": number("num_gpu_blocks", int),
-        "num_gpu_blocks_override": number("num_gpu_blocks_override", int),
-    }
-    return {k: v for k, v in config.items() if v is not None}
 
 
 def profile_from_histograms(log: ScrapeLog, url: str) -> dict:

@@ -46,6 +46,15 @@ def served_model(url: str) -> str:
         raise TargetRunError(f"{url}/v1/models did not name a model: {err}") from None
 
 
+def served_max_model_len(url: str) -> int | None:
+    """The context limit GET /v1/models gives for the served model (vLLM and kvengine do)."""
+    try:
+        value = requests.get(url + "/v1/models", timeout=5).json()["data"][0].get("max_model_len")
+        return int(value) if value else None
+    except (requests.RequestException, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
 def server_version(url: str) -> str | None:
     """What GET /version says (vLLM and kvengine: {"version": "0.32.0"}); None where it says nothing."""
     try:
@@ -87,9 +96,11 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
         raise TargetRunError(f"all {len(records)} requests failed; the first: {failed[0].error}"
                              + (f"\nload generator log:\n{load.log[-1500:]}" if load.log.strip() else ""))
     asked = config_dict(config) if config is not None else {}
-    cfg, overruled = server_config(asked, _config_from_server(log))
+    cfg, overruled = server_config(asked, config_from_cache_info(log))
     if version:
         cfg["server_version"] = version
+    if cfg.get("max_model_len") is None:
+        cfg["max_model_len"] = served_max_model_len(url)  # the server's own default, as it reports it
     block_size = int(cfg.get("block_size") or 16)
     sent = [r.arrival_s for r in records if r.ttft_s is not None]
     ends = [r.arrival_s + r.e2e_s for r in records if r.e2e_s is not None]
@@ -289,14 +300,15 @@ def bucket_around(bounds: list[float], value: float) -> tuple[float, float]:
     return lo, math.inf
 
 
-def _config_from_server(log: ScrapeLog) -> dict:
-    """A server we did not start: its config as vllm:cache_config_info reports it."""
+def config_from_cache_info(log: ScrapeLog) -> dict:
+    """The server's config as its latest vllm:cache_config_info reports it (every label is a string)."""
     info = next((s.info for s in reversed(log.snapshots) if s.info), {})
     out = {"block_size": _int(info.get("block_size")),
            "gpu_memory_utilization": _float(info.get("gpu_memory_utilization")),
            "kv_cache_dtype": info.get("cache_dtype"),
            "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
            "num_gpu_blocks": _int(info.get("num_gpu_blocks")),
+           "num_gpu_blocks_override": _int(info.get("num_gpu_blocks_override")),
            "kv_cache_memory_bytes": _int(info.get("kv_cache_memory_bytes")),
            "kv_cache_size_tokens": _int(info.get("kv_cache_size_tokens"))}
     return {k: v for k, v in out.items() if v is not None}

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvengine.config import EngineConfig
+from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 from kvengine.flags import launch_flags
 
 from ..results import RunResult
@@ -71,6 +71,9 @@ class _ServerTarget(ABC):
         with self._serving(config) as server:
             result = run_live(server.url, workload, self.name, self.model_label, config, self.options,
                               check_alive=server.check_alive, server_pid=server.pid)
+        for key, value in self.server_defaults(config).items():  # what the server chose where not told
+            if result.config.get(key) is None:
+                result.config[key] = value
         result.config["launch_env"] = self.rules.launch_env()
         result.config["launch_args"] = getattr(self, "extra_args", "")
         result.config["launch_server"] = self.name
@@ -79,6 +82,10 @@ class _ServerTarget(ABC):
         # what this server takes, for the fixes a diagnosis proposes (it never sees the target)
         result.config["server_block_sizes"] = list(self.rules.block_sizes)
         return result
+
+    def server_defaults(self, config: EngineConfig) -> dict:
+        """The values this server takes for the knobs `config` leaves open, where they are known."""
+        return {"max_num_seqs": self.rules.max_num_seqs} if self.rules.max_num_seqs else {}
 
     def check(self, config: EngineConfig) -> None:
         """Start the server with `config` and see it answer, before a search spends minutes on stage 1.
@@ -150,6 +157,17 @@ class EngineTarget(_ServerTarget):
     @property
     def model_label(self) -> str:
         return self.model_path or self.preset
+
+    def server_defaults(self, config: EngineConfig) -> dict:
+        """kvengine resolves its defaults from the preset and device as vLLM does per platform."""
+        if self.model_path:
+            return super().server_defaults(config)
+        try:
+            resolved = config.resolve(model_preset(self.preset), device_preset(self.device))
+        except ConfigError:
+            return super().server_defaults(config)
+        keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        return {k: getattr(resolved, k) for k in keys if "--" + k.replace("_", "-") not in self.extra_args}
 
 
 @dataclass
