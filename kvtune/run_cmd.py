@@ -8,6 +8,8 @@ from kvengine.config import device_preset, model_preset
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
 from .calibrate import get_profile
+from .diagnose import Thresholds
+from .diagnose.trial import Simulator, diagnosed, simulator_for
 from .results import RunResult
 from .store import Store, add_db_argument, resolve_db_url
 from .targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
@@ -100,11 +102,31 @@ def cmd_run(args) -> int:
         raise
     if args.out:
         result.write_json(args.out)
+    found = _diagnose(result, target, workload, args.profile)
+    store.save_diagnoses(run_id, found)
     print(format_summary(result))
     print(f"run {run_id} stored in {store.display_url}" + (f", written to {args.out}" if args.out else ""))
+    print(_findings_line(found, run_id))
     if args.json:
-        print(json.dumps(result.summary | {"run_id": run_id}))
+        print(json.dumps(result.summary | {"run_id": run_id, "faults": [d.id for d in found]}))
     return 0
+
+
+def _diagnose(result: RunResult, target, workload, profile: str | None) -> list:
+    """The run's diagnoses, once, with each fix tried on the simulator (the run's own, for a sim run)."""
+    if isinstance(target, SimTarget):
+        sim, why = Simulator.of(target, workload, profile), ""
+    else:
+        sim, why = simulator_for(result, workload)
+    return diagnosed(result, Thresholds(), sim, why_none=why)
+
+
+def _findings_line(found: list, run_id: int) -> str:
+    if not found:
+        return "diagnosis: no faults found (rules F1–F8)"
+    listed = ", ".join(f"{d.id} {d.severity}" for d in found)
+    return (f"diagnosis: {len(found)} finding{'s' * (len(found) != 1)} ({listed}); `kvtune diagnose --run "
+            f"{run_id}` shows the evidence and the fixes tried")
 
 
 def _workload(args):

@@ -10,16 +10,13 @@ import sys
 
 from ..calibrate.profile import get_profile
 from ..results import RunResult
-from ..targets.sim import SimTarget
 from ..workload import FORMATS, read_workload, workload_stats
 from ..store import Store, StoreError, add_db_argument, resolve_db_url
 from .facts import gather
 from .model import Diagnosis, Thresholds
-from .pool import specs
 from .report import format_diagnoses, pool_overview, run_title
-from .run import diagnose
 from .signals import Series
-from .trial import Simulator, try_fixes
+from .trial import Simulator, diagnosed, simulator_for
 from .watch import WatchError, watch
 
 
@@ -102,8 +99,7 @@ def _diagnose_stored(args, thresholds: Thresholds) -> int:
     result = store.load_run(args.run)
     error = (row.error or "(no error recorded)") if row.status == "failed" else None
     simulator, why_none = _simulator(args, result)
-    diagnoses = try_fixes(diagnose(result, thresholds, error=error), result, simulator, thresholds,
-                          why_none=why_none)
+    diagnoses = diagnosed(result, thresholds, simulator, error=error, why_none=why_none)
     store.save_diagnoses(args.run, diagnoses)
     label = f"run {args.run}" + (" (failed)" if error is not None else "")
     _print(result, label, diagnoses, thresholds, args.json, {"run_id": args.run},
@@ -114,7 +110,7 @@ def _diagnose_stored(args, thresholds: Thresholds) -> int:
 def _diagnose_live(args, thresholds: Thresholds) -> int:
     print(f"watching {args.url} for {args.duration:g} s ...", file=sys.stderr)
     result = watch(args.url, args.duration, args.interval)
-    diagnoses = try_fixes(diagnose(result, thresholds), result, None, thresholds,
+    diagnoses = diagnosed(result, thresholds, None,
                           why_none="a watched server gives no requests to replay (`kvtune run` then "
                                    "`kvtune diagnose --run ID` tries each fix in the simulator)")
     _print(result, args.url, diagnoses, thresholds, args.json, {"url": args.url}, None)
@@ -127,13 +123,8 @@ def _simulator(args, result: RunResult) -> tuple[Simulator | None, str]:
     if workload is None:
         return None, why
     if args.profile:
-        profile = get_profile(args.db, args.profile)
-        return Simulator.of(profile.sim_target(), workload, args.profile), ""
-    found = specs(result)
-    if found is None:
-        return None, (f"no simulator for this {result.target} server: pass --profile NAME (from `kvtune "
-                      "calibrate`) to try the fixes")
-    return Simulator.of(SimTarget(*found), workload), ""
+        return Simulator.of(get_profile(args.db, args.profile).sim_target(), workload, args.profile), ""
+    return simulator_for(result, workload)
 
 
 def _replayed_workload(path: str | None, fmt: str | None, result: RunResult):

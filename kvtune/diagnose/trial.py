@@ -29,7 +29,7 @@ from ..targets.sim import SimTarget, config_dict
 from ..workload import Workload
 from .fixes import CPU_KV_SPACE
 from .model import HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds
-from .pool import engine_config, fp8_gain, replan
+from .pool import engine_config, fp8_gain, replan, specs
 from .run import diagnose
 
 MARGIN = 0.10  # TTFT or e2e p95 may grow by this share of the baseline's ...
@@ -69,6 +69,21 @@ class Simulator:
             except (TargetStartError, ConfigError, ValueError) as err:
                 self.runs[key] = str(err).splitlines()[0] if str(err) else type(err).__name__
         return self.runs[key]
+
+
+def simulator_for(result: RunResult, workload: Workload) -> tuple[Simulator | None, str]:
+    """The simulator of the presets the run names, or why there is none (a served checkpoint)."""
+    found = specs(result)
+    if found is None:
+        return None, (f"no simulator for this {result.target} server: pass --profile NAME (from `kvtune "
+                      "calibrate`) to `kvtune diagnose --run` to try the fixes")
+    return Simulator.of(SimTarget(*found), workload), ""
+
+
+def diagnosed(result: RunResult, th: Thresholds, sim: Simulator | None, slos=(), error: str | None = None,
+              why_none: str = "no simulator for this server") -> list[Diagnosis]:
+    """The run's diagnoses with their fixes tried: what every command stores with a run."""
+    return try_fixes(diagnose(result, th, error=error), result, sim, th, slos, why_none)
 
 
 def try_fixes(diagnoses: list[Diagnosis], result: RunResult, sim: Simulator | None, th: Thresholds,

@@ -10,13 +10,13 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 from ..calibrate import get_profile
 from ..environment import host_environment
 from ..store import Store, add_db_argument, resolve_db_url
-from ..diagnose.trial import Simulator
+from ..diagnose.trial import Simulator, diagnosed
 from ..targets import SimTarget
 from ..targets.build import add_server_flags, live_target
 from ..workload import FORMATS, head, read_workload
 from ..workload.cli import positive_float, positive_int
 from .objective import OBJECTIVES, Objective
-from .slo import parse_slo
+from .slo import diagnosis_thresholds, parse_slo
 from .space import SearchSpace, load_space
 from ..targets import TargetRunError, TargetStartError
 from .ranking import describe
@@ -187,6 +187,7 @@ def _search(args, live_targets: list) -> int:
     shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
     if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
         data = load_report_data(db_url, name)
+    _diagnose_shown(store, data, Simulator.of(sim, workload, args.profile), slos)
     print(_final_table(data, objective))
     print(describe(data.verdict))
     report = None
@@ -207,6 +208,15 @@ def _search(args, live_targets: list) -> int:
                           "live": [_live_json(c) for c in data.candidates if c.runs],
                           "live_runs": sum(len(c.runs) for c in data.candidates)}))
     return 3 if live is not None and not v.measured else 0  # the live stage could not measure
+
+
+def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
+    """The stage-1 runs the report shows are diagnosed once, here, with the study's SLOs (stage 2
+    stored its own runs' diagnoses): the report and the UI read them."""
+    thresholds = diagnosis_thresholds(list(slos))
+    for view in (data.best_run, data.default_run):
+        if view is not None and view.stage == "sim" and not store.load_diagnoses(view.run_id):
+            store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
 
 
 def _live_json(c) -> dict:

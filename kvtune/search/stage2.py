@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 from kvengine.config import EngineConfig
 
-from ..diagnose import diagnose
-from ..diagnose.trial import Simulator, try_fixes
+from ..diagnose.trial import Simulator, diagnosed
 from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
@@ -132,8 +131,7 @@ def _run_once(run, cand: Candidate, repeat: int, config: EngineConfig, workload,
     result.summary["repeat"] = repeat
     outcome.run_id = store.save_run(result, study=study, trial=cand.number, label=label)
     thresholds = diagnosis_thresholds(list(objective.slos))
-    store.save_diagnoses(outcome.run_id, try_fixes(diagnose(result, thresholds), result, simulator, thresholds,
-                                                   objective.slos))
+    store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, simulator, objective.slos))
     outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
     return outcome
 
