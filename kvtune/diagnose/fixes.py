@@ -57,8 +57,11 @@ def raise_utilization(f: RunFacts) -> FlagChange | None:
     if current is None or current >= ceiling:
         return None
     target = round(min(current + UTILIZATION_STEP, ceiling), 2)
-    bigger = replan(f.result, gpu_memory_utilization=target)
-    effect = f"pool {f.pool.tokens:,} → {bigger.tokens:,} tokens" if bigger and f.pool else ""
+    # The plan's growth applied to the pool the run had (a server's may differ from the plan)
+    now, bigger = replan(f.result), replan(f.result, gpu_memory_utilization=target)
+    effect = ""
+    if now and bigger and f.pool:
+        effect = f"pool {f.pool.tokens:,} → {f.pool.tokens * bigger.num_gpu_blocks // now.num_gpu_blocks:,} tokens"
     return FlagChange("--gpu-memory-utilization", current, target, effect)
 
 
