@@ -1,6 +1,6 @@
 """The fault rules, each against a sim run built to cause its fault (and a healthy run that causes none).
 
-Every run replays in virtual time on the bundled engine core in well under 2 s.
+Every run replays in virtual time on the bundled engine core.
 The expected fixes are recomputed here from the run and kvengine.memory, never
 copied from the rule's output.
 """
@@ -151,12 +151,6 @@ def test_a_run_without_series_is_insufficient_data():
     result = RunResult("url", "m", "unknown", {}, {}, [], {"time": [], "duration": []}, 0.0)
     [only] = diagnose(result)
     assert only.id == INSUFFICIENT_DATA and only.evidence[0].metric == "server series"
-
-
-def test_every_run_replays_in_under_two_seconds():
-    for run in (healthy_run, long_prompts_into_full_pool, growing_contexts, load_ramp_on_mha_model,
-                unique_prompts, shared_prefixes_tiny_pool, preemption_run, long_tail_contexts):
-        assert run().wall_s < 2.0, run.__name__
 
 
 # -- F1 ------------------------------------------------------------------------

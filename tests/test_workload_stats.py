@@ -1,7 +1,6 @@
 """workload_stats, and the ideal prefix hit rate checked by hand."""
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -65,12 +64,10 @@ def test_empty_workload_stats():
     assert stats["rate_rps"] == 0.0 and stats["input_len"]["max"] == 0
 
 
-def test_real_trace_stats_are_fast():
+def test_real_trace_stats():
+    # No wall-clock limit here (the rules: none in a test); replay_speed.py measures speed.
     w = read_workload(AZURE_CONV)
-    start = time.perf_counter()
     stats = workload_stats(w, 16)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 3.0, f"stats took {elapsed:.2f} s"
     assert stats["requests"] == 19366 and stats["ideal_prefix_hit_rate"] == 0.0
     assert stats["distinct_prefix_blocks"] == sum(r.input_length // 16 for r in w)
     assert 4 < stats["rate_rps"] < 7

@@ -30,17 +30,17 @@ class Trend:
         return self.high / self.low if self.low > 0 else math.inf
 
 
-def itl_against_client_context(f: RunFacts) -> Trend | None:
-    """ITL p95 of the gaps at the longest vs the shortest quartile of context (prompt + position)."""
+def itl_against_client_context(f: RunFacts, q: float = 95) -> Trend | None:
+    """ITL percentile `q` of the gaps at the longest vs the shortest quartile of context (prompt + position)."""
     context, itl = itl_by_context(f.requests)
     if len(itl) < f.th.min_itl_samples:
         return None
     low, high = quartile_masks(context.astype(float))
     if not low.any() or not high.any():
         return None
-    return Trend("ITL p95 (clients) by context quartile", f"{len(itl):,} inter-token gaps",
+    return Trend(f"ITL p{q:g} (clients) by context quartile", f"{len(itl):,} inter-token gaps",
                  float(context[low].mean()), float(context[high].mean()),
-                 float(np.percentile(itl[low], 95)), float(np.percentile(itl[high], 95)))
+                 float(np.percentile(itl[low], q)), float(np.percentile(itl[high], q)))
 
 
 def itl_against_server_context(f: RunFacts) -> Trend | None:
@@ -59,6 +59,14 @@ def itl_against_server_context(f: RunFacts) -> Trend | None:
                  float(np.median(itl[low])), float(np.median(itl[high])))
 
 
+def itl_trends(f: RunFacts) -> list[Trend]:
+    """The clients' p95 and median ITL by context (a tail of prefill stalls can hide a median that
+    doubles), else the server's implied ITL."""
+    client = [t for t in (itl_against_client_context(f, 95), itl_against_client_context(f, 50)) if t]
+    server = itl_against_server_context(f)
+    return client or ([server] if server else [])
+
+
 def throughput_by_context(f: RunFacts) -> tuple[float, float] | None:
     """Generation tokens/s in the windows of shortest vs longest context per running request."""
     b = f.bins
@@ -72,28 +80,29 @@ def throughput_by_context(f: RunFacts) -> tuple[float, float] | None:
 
 
 def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
-    """F2: ITL p95 rises with context while throughput stays flat and the pool is well used."""
+    """F2: ITL (its p95 or its median) rises with context while throughput stays flat and the pool is well used."""
     th, s = f.th, f.series
-    trend = itl_against_client_context(f) or itl_against_server_context(f)
+    trends = itl_trends(f)
     usage_peak = s.peak("kv_usage") or 0.0
-    if trend is None or trend.ratio < th.itl_growth or usage_peak < th.usage_busy:
+    if not any(t.ratio >= th.itl_growth for t in trends) or usage_peak < th.usage_busy:
         return None
     throughput = throughput_by_context(f)
     if throughput is not None and throughput[1] > th.flat_throughput_gain * throughput[0]:
         return None  # tokens/s grew with context: more load, not a slower decode
-    evidence = [
-        Evidence(trend.metric, trend.window, f"{trend.low * 1000:.1f} → {trend.high * 1000:.1f} ms",
-                 f"grows >= {th.itl_growth:g}× as context goes {trend.driver_low:,.0f} → "
-                 f"{trend.driver_high:,.0f} tokens"),
-        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_busy:g}"),
-    ]
+    evidence = [Evidence(t.metric, t.window, f"{t.low * 1000:.1f} → {t.high * 1000:.1f} ms",
+                         f"grows >= {th.itl_growth:g}× as context goes {t.driver_low:,.0f} → "
+                         f"{t.driver_high:,.0f} tokens" + ("" if t.ratio >= th.itl_growth else " (not this one)"))
+                for t in trends]
+    evidence.append(Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3),
+                             f">= {th.usage_busy:g}"))
     if throughput is not None:
         evidence.append(Evidence("generation tokens/s, short vs long context windows", s.whole(),
                                  f"{throughput[0]:,.0f} → {throughput[1]:,.0f}",
                                  f"flat: gains < {th.flat_throughput_gain:g}×"))
+    grown = " and ".join(t.metric.split(" ")[1] for t in trends if t.ratio >= th.itl_growth)
     return Diagnosis(
         "F2", "warning",
-        "streaming slows: ITL p95 worsens as contexts grow",
+        f"streaming slows: ITL ({grown}) worsens as contexts grow",
         evidence,
         "decode is memory-bandwidth bound: every step reads all live K/V, so each token costs more as "
         "contexts grow",
@@ -121,44 +130,120 @@ def _chunked_prefill(f: RunFacts) -> FlagChange | None:
     return FlagChange("--enable-chunked-prefill", "off", "on", "long prefills no longer stall decodes")
 
 
+# A peak window must be decode-dominant: prefill sharing its steps flattens tokens/s by itself (bursty
+# arrivals: each burst's prefill lands in the windows where running peaks). In a typical window, prefill
+# only lowers its tokens/s, which makes the test stricter, so there the looser Thresholds ratio holds.
+PEAK_PREFILL_RATIO = 1.0  # prompt tokens per generated token
+WAITING_BACKLOG = 1.0  # requests waiting on average in the peak windows: the queue backs up
+
+
+@dataclass
+class LoadStep:
+    """Running requests and generation tokens/s, typical vs peak windows."""
+
+    running: tuple[float, float]
+    tokens_s: tuple[float, float]
+
+    @property
+    def growth(self) -> float:
+        return self.running[1] / self.running[0]
+
+    @property
+    def elasticity(self) -> float:
+        return math.log(max(self.tokens_s[1] / self.tokens_s[0], 1e-9)) / math.log(self.growth)
+
+    @property
+    def itl_s(self) -> tuple[float, float]:
+        return self.running[0] / self.tokens_s[0], self.running[1] / self.tokens_s[1]
+
+
 def memory_bound_throughput(f: RunFacts) -> Diagnosis | None:
-    """F3: running requests grow but generation tokens/s does not follow (and ITL rises)."""
-    b, th, s = f.bins, f.th, f.series
+    """F3: running requests grow but generation tokens/s does not follow, in decode-dominant peak
+    windows, with a sign that the decode is saturated (ITL rising, a queue, TTFT over its SLO, a full pool)."""
+    th = f.th
+    windows = typical_and_decode_peak(f)
+    if windows is None:
+        return None
+    busy, low, high = windows
+    b = f.bins
+    load = LoadStep((b.running[low].mean(), b.running[high].mean()),
+                    (b.generation_rate[low].mean(), b.generation_rate[high].mean()))
+    if load.growth < th.running_growth or load.elasticity > th.max_throughput_elasticity:
+        return None
+    saturated = saturation(f, high, load.itl_s[1] / load.itl_s[0])
+    if not saturated:
+        return None  # tokens/s is flat only as any busier decode's is: nothing waits, nothing slows much
+    return Diagnosis(
+        "F3", "warning",
+        "the server looks busy but tokens/s does not grow with load",
+        _load_evidence(f, load, low, high) + saturated + _gpu_evidence(f),
+        "memory-bound decode, not compute-bound: more running requests only add K/V to read per step",
+        fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
+                   fp8_kv(f, "halves the K/V bytes each step reads")))
+
+
+def typical_and_decode_peak(f: RunFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The decode windows, the typical ones among them and the decode-dominant peak ones; None when
+    there are too few, or no sustained peak (then the peaks are bursts of prefill)."""
+    b, th = f.bins, f.th
     if b is None:
         return None
     busy = decode_windows(b, th.decode_window_prefill_ratio)
     if busy.sum() < th.min_bins:
         return None
     low, high = typical_and_peak(np.where(busy, b.running, np.nan))
-    run_low, run_high = b.running[low].mean(), b.running[high].mean()
-    tps_low, tps_high = b.generation_rate[low].mean(), b.generation_rate[high].mean()
-    running_growth = run_high / run_low
-    if running_growth < th.running_growth:
+    high &= b.prefill_rate <= PEAK_PREFILL_RATIO * b.generation_rate
+    if high.sum() < max(2, math.ceil(th.sustained_fraction * len(b))):
         return None
-    elasticity = math.log(max(tps_high / tps_low, 1e-9)) / math.log(running_growth)
-    if elasticity > th.max_throughput_elasticity:
-        return None
-    window = f"{int(busy.sum())} decode windows of {b.length:.1f} s"
-    evidence = [
+    return busy, low, high
+
+
+def _load_evidence(f: RunFacts, load: LoadStep, low: np.ndarray, high: np.ndarray) -> list[Evidence]:
+    b, th = f.bins, f.th
+    window = f"{int(low.sum())} typical and {int(high.sum())} decode-dominant peak windows of {b.length:.1f} s"
+    (run_low, run_high), (tps_low, tps_high), (itl_low, itl_high) = load.running, load.tokens_s, load.itl_s
+    return [
         Evidence("vllm:num_requests_running, typical vs peak windows", window,
                  f"{run_low:.1f} → {run_high:.1f}", f"grows >= {th.running_growth:g}×"),
         Evidence("generation tokens/s, typical vs peak windows", window,
-                 f"{tps_low:,.0f} → {tps_high:,.0f}", f"flat: elasticity {elasticity:.2f} <= "
+                 f"{tps_low:,.0f} → {tps_high:,.0f}", f"flat: elasticity {load.elasticity:.2f} <= "
                  f"{th.max_throughput_elasticity:g}"),
         Evidence("ITL implied by running / generation tokens/s", window,
-                 f"{run_low / tps_low * 1000:.1f} → {run_high / tps_high * 1000:.1f} ms", "rises"),
+                 f"{itl_low * 1000:.1f} → {itl_high * 1000:.1f} ms", "rises"),
+        Evidence("prompt / generated tokens in the peak windows", window,
+                 round(float(b.prefill_rate[high].sum() / b.generation_rate[high].sum()), 2),
+                 f"<= {PEAK_PREFILL_RATIO:g}: decode-dominant"),
     ]
-    gpu = s.time_mean("gpu_utilization")
-    if gpu is not None:
-        evidence.append(Evidence("NVML GPU utilisation (%)", s.whole(), round(gpu, 1),
-                                 f">= {th.gpu_busy_percent:g} looks busy"))
-    return Diagnosis(
-        "F3", "warning",
-        "the server looks busy but tokens/s does not grow with load",
-        evidence,
-        "memory-bound decode, not compute-bound: more running requests only add K/V to read per step",
-        fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
-                   fp8_kv(f, "halves the K/V bytes each step reads")))
+
+
+def _gpu_evidence(f: RunFacts) -> list[Evidence]:
+    gpu = f.series.time_mean("gpu_utilization")
+    if gpu is None:
+        return []
+    return [Evidence("NVML GPU utilisation (%)", f.series.whole(), round(gpu, 1),
+                     f">= {f.th.gpu_busy_percent:g} looks busy")]
+
+
+def saturation(f: RunFacts, peak: np.ndarray, itl_growth: float) -> list[Evidence]:
+    """The signs, in the peak windows, that the decode is saturated rather than only busier."""
+    b, th = f.bins, f.th
+    window = f"{int(peak.sum())} peak windows"
+    found = []
+    if itl_growth >= th.itl_growth:
+        found.append(Evidence("ITL implied, peak over typical windows (×)", window, round(itl_growth, 2),
+                              f">= {th.itl_growth:g}: each token slows as requests are added"))
+    waiting = float(b.waiting[peak].mean())
+    if waiting >= WAITING_BACKLOG:
+        found.append(Evidence("vllm:num_requests_waiting, peak windows (mean)", window, round(waiting, 1),
+                              f">= {WAITING_BACKLOG:g}: the queue backs up"))
+    usage = float(b.usage[peak].mean())
+    if usage >= th.usage_high:
+        found.append(Evidence("vllm:kv_cache_usage_perc, peak windows (mean)", window, round(usage, 3),
+                              f">= {th.usage_high:g}"))
+    ttft, name = f.ttft_p95()
+    if ttft is not None and ttft > th.ttft_p95_slo_s:
+        found.append(Evidence(name, f.series.whole(), round(ttft, 3), f"> SLO {th.ttft_p95_slo_s:g} s"))
+    return found
 
 
 def decode_windows(b: Bins, prefill_ratio: float) -> np.ndarray:

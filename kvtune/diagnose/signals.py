@@ -156,6 +156,23 @@ def _context_per_seq(series: Series, index: np.ndarray, n: int, bins: Bins,
     return None
 
 
+def best_intervals_rate(series: Series, hits: str, queries: str, share: float) -> float | None:
+    """hits / queries over the samples (scrape intervals, sim steps) with the highest ratio that together
+    carry `share` of all queries; None without queries."""
+    num, den = series.get(hits), series.get(queries)
+    if num is None or den is None:
+        return None
+    num, den = np.nan_to_num(num), np.nan_to_num(den)
+    asked = den > 0
+    if not asked.any():
+        return None
+    num, den = num[asked], den[asked]
+    order = np.argsort(-(num / den), kind="stable")
+    covered = np.cumsum(den[order])
+    best = order[: int(np.searchsorted(covered, share * covered[-1])) + 1]
+    return float(num[best].sum() / den[best].sum())
+
+
 def quartile_masks(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Masks of the bottom and top quartile of the finite values (NaN in neither)."""
     finite = np.isfinite(values)

@@ -22,7 +22,7 @@ from kvengine.config import ConfigError, GiB
 from kvengine.memory import KVCacheMemoryError, activation_peak_bytes, plan_memory
 
 from ..results import RunResult
-from ..targets.startlog import read_log, root_cause
+from ..targets.startlog import is_wrapper, read_log, root_cause
 from .facts import RunFacts
 from .model import Diagnosis, Evidence, FlagChange, Thresholds, fixes as options
 from .pool import engine_config, specs
@@ -42,6 +42,7 @@ KVCACHE_SPACE_SET = re.compile(r"Explicitly set \((\d+(?:\.\d+)?)/\d+(?:\.\d+)?\
 FULL_LOG = re.compile(r"^full log: (.+)$", re.MULTILINE)
 UTILIZATION_CUT = 0.07  # the card's example: 0.92 → 0.85
 UTILIZATION_STEP = 0.05
+ACTIVATION_SHARE_LARGE = 0.5  # an activation peak over half of what the weights leave drives the first fix
 CAUSE = ("memory outside the KV pool: prefill activations at max_num_batched_tokens, CUDA graphs, other "
          "processes (and fragmentation with contiguous allocators)")
 
@@ -57,6 +58,16 @@ def start_cause(error: str | None) -> str:
     return root_cause(text) or (text.splitlines()[0] if text else "")
 
 
+def _cause_line(error: str) -> str:
+    """The error's root-cause line; where the error only carries a wrapper ("the server exited with
+    status 1 before it was healthy") and names its kept log, the log's own root cause."""
+    line = start_cause(error)
+    path = log_path_of(error)
+    if path and (not line or is_wrapper(line)):
+        return root_cause(read_log(path)) or line
+    return line
+
+
 def log_path_of(error: str | None) -> str | None:
     """The path of the server's kept log that a start error names (`full log: PATH`)."""
     match = FULL_LOG.search(error or "")
@@ -65,7 +76,7 @@ def log_path_of(error: str | None) -> str | None:
 
 def failed_start(result: RunResult, error: str, th: Thresholds) -> Diagnosis | None:
     """F5 or START for a run that never started (or died), from its error's root cause and its config."""
-    cause_line = start_cause(error)
+    cause_line = _cause_line(error)
     if is_memory_error(cause_line):
         return _out_of_memory(result, error, cause_line, th)
     return refused_config(result, error, cause_line)
@@ -76,7 +87,7 @@ def _out_of_memory(result: RunResult, error: str, cause_line: str, th: Threshold
     log = read_log(path) if (path := log_path_of(error)) else ""
     if "to serve at least one request" in lowered:
         cause = "the KV pool left after weights, activations and overhead cannot hold one max_model_len request"
-        fixes = [_max_len_from_hint(result, cause_line), _utilization_that_starts(result), _fp8(result)]
+        fixes = _pool_below_max_len_fixes(result, cause_line, th)
     elif "no available memory" in lowered:
         cause = "nothing is left for the KV pool after the weights, the activation peak and the overhead"
         fixes = [_kvcache_space(log or error), _batched_tokens_that_start(result), _utilization_that_starts(result)]
@@ -168,6 +179,62 @@ def _batched_tokens_that_start(result: RunResult) -> FlagChange | None:
                               "a smaller prefill activation peak")
         budget //= 2
     return None
+
+
+def _pool_below_max_len_fixes(result: RunResult, cause_line: str, th: Thresholds) -> list:
+    """A batch budget whose activation peak crowds out the pool is lowered first; a shorter max_model_len
+    comes first only where the workload's longest request still fits it, else last (it refuses requests)."""
+    max_len = _max_len_from_hint(result, cause_line)
+    longest = _longest_request(result)
+    refuses = max_len is not None and longest is not None and max_len.new < longest
+    batch = _batched_tokens_for_activations(result, th)
+    rest = [_utilization_that_starts(result), _fp8_that_starts(result)]
+    if not refuses:
+        return [batch, max_len, *rest]
+    max_len.effect += f"; it refuses the workload's longest requests ({longest:,} tokens)"
+    return [batch, *rest, max_len]
+
+
+def _longest_request(result: RunResult) -> int | None:
+    """The workload profile's longest prompt plus its longest output (an upper bound on any request's)."""
+    inputs, outputs = result.workload.get("input_len") or {}, result.workload.get("output_len") or {}
+    if not inputs.get("max"):
+        return None
+    return int(inputs["max"]) + int(outputs.get("max") or 0)
+
+
+def _batched_tokens_for_activations(result: RunResult, th: Thresholds) -> FlagChange | None:
+    """Where the activation peak at a large max_num_batched_tokens takes a large share of what the weights
+    leave, the largest smaller budget that starts (the KV pool gets the activations' memory)."""
+    found = specs(result)
+    if found is None:
+        return None
+    model, device = found
+    try:
+        resolved = engine_config(result.config).resolve(model, device)
+    except ConfigError:
+        return None
+    budget = resolved.max_num_batched_tokens
+    activation = activation_peak_bytes(model, budget, resolved.max_num_seqs)
+    left = device.memory_bytes * resolved.gpu_memory_utilization - model.weight_bytes
+    if budget < th.large_batched_tokens or left <= 0 or activation < ACTIVATION_SHARE_LARGE * left:
+        return None
+    change = _batched_tokens_that_start(result)
+    if change is None:
+        return None
+    smaller = activation_peak_bytes(model, change.new, resolved.max_num_seqs)
+    change.effect = (f"the activation peak at {budget:,} tokens ({activation / GiB:.2f} GiB) takes "
+                     f"{activation / left:.0%} of the {left / GiB:.2f} GiB the weights leave; at {change.new:,} it is "
+                     f"{smaller / GiB:.2f} GiB and the pool holds a max_model_len request")
+    return change
+
+
+def _fp8_that_starts(result: RunResult) -> FlagChange | None:
+    """fp8 K/V, unless the run's presets show that even half the bytes per token do not start."""
+    change = _fp8(result)
+    if change is None or (specs(result) is not None and not _starts(result, kv_cache_dtype="fp8")):
+        return None
+    return change
 
 
 def _max_len_from_hint(result: RunResult, error: str) -> FlagChange | None:
