@@ -453,7 +453,10 @@ def alert_panels(prom: PromServer, start: float, end: float) -> dict:
 # ----------------------------------------------------------------------------------------------
 # 3. read_range: a RunResult from Prometheus, as from a live scrape.
 
-def test_read_range_rebuilds_the_run_a_live_scrape_records(prom, engines):
+@pytest.fixture(scope="module")
+def replay_burst(prom, engines):
+    """A 40-request burst on the tight engine, scraped by kvtune itself as well: (start, end) of the
+    range, /metrics before and after, and kvtune's own scrape log."""
     url = engines["replay"].url
     instance = host_of(url)
     before = scrape(url)
@@ -467,8 +470,14 @@ def test_read_range_rebuilds_the_run_a_live_scrape_records(prom, engines):
         wait_for(lambda: time.time() >= end, 5, "the range's end")
     finally:
         live_log = live.stop()
-    after = scrape(url)
     assert statuses == [200] * 40, statuses
+    return start, end, before, scrape(url), live_log
+
+
+def test_read_range_rebuilds_the_run_a_live_scrape_records(prom, engines, replay_burst):
+    url = engines["replay"].url
+    instance = host_of(url)
+    start, end, before, after, live_log = replay_burst
 
     log = read_range(prom.url, f'{{instance="{instance}"}}', start, end, STEP_S)
     result, seen_live = result_from_scrape(log, url), result_from_scrape(live_log, url)
@@ -500,6 +509,45 @@ def test_read_range_rebuilds_the_run_a_live_scrape_records(prom, engines):
     assert result.config == seen_live.config and result.config["num_gpu_blocks"] == 96
     assert result.model == seen_live.model == ENGINE_MODEL
     assert len(log) >= (end - start) / STEP_S - 1
+
+
+def test_diagnose_reads_a_servers_history_from_prometheus(prom, engines, replay_burst):
+    """`kvtune diagnose --url --prometheus`: the burst's preemptions, from Prometheus alone."""
+    url = engines["replay"].url
+    start, end, before, after, _ = replay_burst
+    preempted = sum(v for k, v in after.items() if k.startswith("vllm:num_preemptions_total")) - \
+        sum(v for k, v in before.items() if k.startswith("vllm:num_preemptions_total"))
+    span = math.ceil(time.time() - start) + 1  # from before the burst to now
+    out = subprocess.run([sys.executable, "-m", "kvtune", "diagnose", "--url", url, "--prometheus", prom.url,
+                          "--duration", str(span), "--interval", str(STEP_S), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["prometheus"] == prom.url
+    assert any(line.startswith(f"preemptions  {int(preempted):,};") for line in report["overview"]), report
+    assert {"F6", "F1"} & {d["id"] for d in report["diagnoses"]}
+    assert f"over its last {span} s in Prometheus at {prom.url}" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "kvtune", "diagnose", "--url", "http://127.0.0.1:9",
+                              "--prometheus", prom.url, "--duration", "30"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and "127.0.0.1:9" in missing.stderr
+
+
+def test_the_live_page_reads_a_servers_history_from_prometheus(prom, engines, replay_burst, monkeypatch, tmp_path):
+    from test_ui import check_page, open_app, text  # the dashboard's own test helpers
+
+    url = engines["replay"].url
+    span = math.ceil(time.time() - replay_burst[0]) + 1
+    at = open_app(f"sqlite:///{tmp_path}/none.db", monkeypatch, "live.py")
+    at.text_input(key="live_url").input(url)
+    at.text_input(key="live_prometheus").input(prom.url)
+    at.number_input(key="live_last").set_value(span).run()
+    at.button(key="live_start").click().run()
+    check_page(at, "Live")
+    shown = text(at)
+    assert f"Read {url} in Prometheus at {prom.url}, its last {span} s:" in shown
+    assert int(at.metric[4].value.replace(",", "")) > 0  # the burst's preemptions, from Prometheus alone
+    assert "F6" in shown or "F1" in shown
 
 
 def test_read_range_splits_a_range_longer_than_one_query_may_return(prom, engines):

@@ -17,7 +17,7 @@ from .model import Diagnosis, Thresholds
 from .report import format_diagnoses, pool_overview, run_title
 from .signals import Series
 from .trial import Simulator, diagnosed, simulator_for
-from .watch import WatchError, watch
+from .watch import WatchError, history, result_from_scrape, watch
 
 
 def add_diagnose_command(subparsers) -> None:
@@ -31,9 +31,17 @@ def add_diagnose_command(subparsers) -> None:
     source.add_argument("--url", type=_server_url, metavar="URL",
                         help="a running vLLM-compatible server to watch (http://host:port)")
     p.add_argument("--duration", type=_positive, default=60.0, metavar="S",
-                   help="--url: seconds to watch (default: %(default)s)")
+                   help="--url: seconds to watch; with --prometheus, the last S seconds of the server's history "
+                        "(default: %(default)s)")
     p.add_argument("--interval", type=_positive, default=1.0, metavar="S",
-                   help="--url: seconds between scrapes (default: %(default)s)")
+                   help="--url: seconds between scrapes; with --prometheus, the step of the range read "
+                        "(default: %(default)s)")
+    p.add_argument("--prometheus", type=_server_url, metavar="URL",
+                   help="--url: read the server's series from this Prometheus server instead of watching it "
+                        "(e.g. the last hour of a production server: --duration 3600 --interval 15)")
+    p.add_argument("--selector", metavar="MATCHER",
+                   help='--prometheus: the label matcher of the server\'s series there, e.g. \'{job="vllm"}\' '
+                        '(default: {instance="HOST:PORT"} of --url)')
     p.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
                    help="override a rule threshold, e.g. ttft_p95_slo_s=0.5 (repeatable; names: "
                         + ", ".join(Thresholds.names()) + ")")
@@ -84,6 +92,10 @@ def parse_thresholds(pairs: list[str]) -> Thresholds:
 
 def cmd_diagnose(args) -> int:
     try:
+        if (args.prometheus or args.selector) and args.url is None:
+            raise ValueError("--prometheus and --selector read a server's history: give its --url too")
+        if args.selector and not args.prometheus:
+            raise ValueError("--selector picks series in Prometheus: give --prometheus URL too")
         thresholds = parse_thresholds(args.threshold)
         if args.run is not None:
             return _diagnose_stored(args, thresholds)
@@ -108,12 +120,17 @@ def _diagnose_stored(args, thresholds: Thresholds) -> int:
 
 
 def _diagnose_live(args, thresholds: Thresholds) -> int:
-    print(f"watching {args.url} for {args.duration:g} s ...", file=sys.stderr)
-    result = watch(args.url, args.duration, args.interval)
+    if args.prometheus:
+        result = result_from_scrape(history(args.prometheus, args.url, args.duration, args.interval, args.selector),
+                                    args.url)
+        label = f"{args.url} over its last {args.duration:g} s in Prometheus at {args.prometheus}"
+    else:
+        print(f"watching {args.url} for {args.duration:g} s ...", file=sys.stderr)
+        result, label = watch(args.url, args.duration, args.interval), args.url
     diagnoses = diagnosed(result, thresholds, None,
                           why_none="a watched server gives no requests to replay (`kvtune run` then "
                                    "`kvtune diagnose --run ID` tries each fix in the simulator)")
-    _print(result, args.url, diagnoses, thresholds, args.json, {"url": args.url}, None)
+    _print(result, label, diagnoses, thresholds, args.json, {"url": args.url, "prometheus": args.prometheus}, None)
     return 0
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from ..gpu import GpuLog, GpuSampler
 from ..results import RunResult
 from ..scrape import ScrapeError, ScrapeLog, Scraper
+from ..scrape.prometheus_api import read_range
 from ..targets.live import config_from_cache_info, served_max_model_len, server_figures
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -46,6 +47,18 @@ def watch(url: str, duration_s: float, interval_s: float = 1.0) -> RunResult:
     if gpu is not None:
         result.series |= gpu_series_at_scrapes(gpu.stop(), log)
     return result
+
+
+def history(prometheus_url: str, url: str, duration_s: float, step_s: float, selector: str | None = None,
+            end: float | None = None) -> ScrapeLog:
+    """The server's last `duration_s` as a Prometheus server recorded it, as the scrapes a watch would
+    have made; `selector` picks the server's series there (default: its instance, host:port of `url`)."""
+    end = time.time() if end is None else end
+    selector = selector or f'{{instance="{urllib.parse.urlsplit(url).netloc}"}}'
+    try:
+        return read_range(prometheus_url, selector, end - duration_s, end, step_s)
+    except ScrapeError as err:
+        raise WatchError(str(err)) from None
 
 
 def gpu_series_at_scrapes(gpu: GpuLog, log: ScrapeLog) -> dict[str, list]:

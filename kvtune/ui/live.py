@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvtune.diagnose import diagnose
-from kvtune.diagnose.watch import result_from_scrape
+from kvtune.diagnose.watch import WatchError, history, result_from_scrape
 from kvtune.report import fmt
 from kvtune.scrape import ScrapeError, ScrapeLog, Scraper
 from kvtune.ui import charts, runs, widgets
@@ -37,6 +37,17 @@ def scrape_into(watch: dict) -> None:
     watch["snapshots"] = (watch["snapshots"] + [snapshot])[-MAX_SNAPSHOTS:]
 
 
+def start_watch(url: str, prometheus_text: str, last_s: float, step_s: float) -> dict:
+    """A new watch of `url`: empty, to scrape live, or filled from Prometheus' last `last_s` seconds."""
+    watch = {"url": url, "snapshots": [], "errors": 0, "last_error": None, "source": f"{url}/metrics"}
+    if prometheus_text.strip():
+        prometheus = check_url(prometheus_text)
+        watch["snapshots"] = history(prometheus, url, last_s, step_s).snapshots[-MAX_SNAPSHOTS:]
+        watch["source"] = f"{url} in Prometheus at {prometheus}, its last {last_s:g} s"
+        watch["history"] = True
+    return watch
+
+
 def render() -> None:
     st.title("Live")
     st.caption("Scrape a running vLLM, SGLang or kvengine server's /metrics, chart it as it updates and "
@@ -45,11 +56,15 @@ def render() -> None:
     cols = st.columns([3, 1, 1, 1], vertical_alignment="bottom")
     url_text = cols[0].text_input("Server URL", placeholder="http://127.0.0.1:8000", key="live_url")
     interval = cols[1].number_input("Every (s)", 0.5, 60.0, 2.0, 0.5, key="live_interval")
+    past = st.columns([3, 1], vertical_alignment="bottom")
+    prom_text = past[0].text_input("Or read its history from Prometheus (optional)",
+                                   placeholder="http://127.0.0.1:9090", key="live_prometheus")
+    last = past[1].number_input("Last (s)", 10, 7 * 86400, 3600, 60, key="live_last")
     if cols[2].button("Start", key="live_start", type="primary"):
         try:
-            state[STATE] = {"url": check_url(url_text), "snapshots": [], "errors": 0, "last_error": None}
-            state[WATCHING] = True
-        except ValueError as err:
+            state[STATE] = start_watch(check_url(url_text), prom_text, float(last), float(interval))
+            state[WATCHING] = not prom_text.strip()  # a history is read once
+        except (ValueError, WatchError) as err:
             st.error(str(err))
     if cols[3].button("Stop", key="live_stop"):
         state[WATCHING] = False
@@ -65,7 +80,8 @@ def watch_view() -> None:
     if on:
         scrape_into(watch)
     log = ScrapeLog(list(watch["snapshots"]), watch["url"], watch["errors"], watch["last_error"])
-    st.caption(f"{'Watching' if on else 'Stopped watching'} {watch['url']}/metrics: {len(log)} scrapes"
+    verb = "Read" if watch.get("history") else "Watching" if on else "Stopped watching"
+    st.caption(f"{verb} {watch['source']}: {len(log)} scrapes"
                + (f", {log.errors} failed" if log.errors else "") + ".")
     if log.last_error:
         st.warning(f"Last failed scrape: {log.last_error}")
