@@ -116,16 +116,19 @@ def test_fork_copies_a_shared_partial_block_on_write():
 
 
 def test_a_huge_pool_makes_its_blocks_only_as_they_are_first_used_in_vllms_order():
-    """vLLM's initial free queue holds every block in id order, and a freed block joins its tail:
-    every never-used block is handed out before any freed one. Made lazily, in that order."""
+    """vLLM's initial free queue holds every block in id order; a freed block that no prefix can hit
+    (no hash) goes to its head, reused before the never-used ones, and a cached one to its tail,
+    evicted last. Made lazily, in that order."""
     pool = BlockPool(10**7)
     assert len(pool.blocks) == 1 and pool.num_free_blocks == 10**7 - 1  # the null block only
     first = pool.get_new_blocks(3)
     assert [b.block_id for b in first] == [1, 2, 3] and len(pool.blocks) == 4
     pool.free_blocks(reversed(first))  # freed last-first, as vLLM frees a request's blocks
-    assert [b.block_id for b in pool.get_new_blocks(2)] == [4, 5]  # never-used blocks first
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 2]  # uncached blocks reused first
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [1, 4] and len(pool.blocks) == 5
     small = BlockPool(6)
     taken = small.get_new_blocks(3)
+    taken[0].block_hash = b"cached"  # a full block a later prompt could hit
     small.free_blocks(reversed(taken))
-    assert [b.block_id for b in small.free_queue] == [4, 5, 3, 2, 1]
-    assert [b.block_id for b in small.get_new_blocks(5)] == [4, 5, 3, 2, 1]
+    assert [b.block_id for b in small.free_queue] == [3, 2, 4, 5, 1]
+    assert [b.block_id for b in small.get_new_blocks(5)] == [3, 2, 4, 5, 1]

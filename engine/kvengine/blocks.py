@@ -5,7 +5,9 @@
   takes a block out of the middle in O(1).
 - Full blocks are hashed as a chain (parent hash, token ids, extra keys). A
   freed block keeps its hash, so it can still be hit until it is reused.
-- A request's blocks are freed tail first, so a chain's tail is evicted first.
+- A request's blocks are freed tail first, so a chain's tail is evicted first;
+  the ones no prefix can hit (no hash) go to the queue's head instead, reused
+  before any cached block is evicted (vLLM's LIFO reuse of uncached blocks).
 """
 from __future__ import annotations
 
@@ -56,17 +58,19 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """vLLM's free queue: popleft, append, remove in O(1). The blocks never used yet come first,
-    in id order, as vLLM's initial queue has them; each is made when first popped, so a pool of
-    millions of blocks (a small model on a large device) costs nothing until it fills. Behind
-    them, the freed blocks in an intrusive doubly-linked list with sentinels, oldest first."""
+    """vLLM's free queue: popleft, append, prepend, remove in O(1). The blocks never used yet
+    sit in id order, as vLLM's initial queue has them; each is made when first popped, so a
+    pool of millions of blocks (a small model on a large device) costs nothing until it fills.
+    Freed blocks go in intrusive doubly-linked lists with sentinels: the ones put back at the
+    head (to be reused first) before the never-used blocks, the ones put at the tail after."""
 
     def __init__(self, num_blocks: int):
         self.blocks: list[KVCacheBlock] = []  # every block made so far: block_id == index
         self.num_blocks = num_blocks
         self.next_fresh = 0  # the first block id never popped
-        self.head = KVCacheBlock(-1)
-        self.tail = KVCacheBlock(-1)
+        self.front_head, self.front_tail = KVCacheBlock(-1), KVCacheBlock(-1)
+        self.front_head.next_free, self.front_tail.prev_free = self.front_tail, self.front_head
+        self.head, self.tail = KVCacheBlock(-1), KVCacheBlock(-1)
         self.head.next_free, self.tail.prev_free = self.tail, self.head
         self.num_free = num_blocks
 
@@ -76,6 +80,10 @@ class FreeBlockQueue:
         return self.blocks[block_id]
 
     def popleft(self) -> KVCacheBlock:
+        b = self.front_head.next_free
+        if b is not self.front_tail:
+            self.remove(b)
+            return b
         if self.next_fresh < self.num_blocks:
             b = self.block(self.next_fresh)
             self.next_fresh += 1
@@ -100,7 +108,21 @@ class FreeBlockQueue:
         b.next_free, self.tail.prev_free = self.tail, b
         self.num_free += 1
 
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put `blocks` at the head of the queue, the first of them first out."""
+        after = self.front_head.next_free
+        prev = self.front_head
+        for b in blocks:
+            prev.next_free, b.prev_free = b, prev
+            prev = b
+        prev.next_free, after.prev_free = after, prev
+        self.num_free += len(blocks)
+
     def __iter__(self):
+        b = self.front_head.next_free
+        while b is not self.front_tail:
+            yield b
+            b = b.next_free
         for block_id in range(self.next_fresh, self.num_blocks):
             yield self.block(block_id)
         b = self.head.next_free
@@ -193,14 +215,23 @@ class BlockPool:
             blk.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks) -> None:
-        """Drop one reference each; blocks that reach 0 join the queue's tail, hash kept."""
+        """Drop one reference each; blocks that reach 0 join the queue's tail, hash kept. A block
+        no prefix can hit (no hash, or caching off) goes to the head instead, as vLLM 0.32's
+        BlockPool.free_blocks has it: reused before any cached block is evicted."""
         queue = self.free_queue
+        first = []
+        keep_hashes = self.enable_caching
         for blk in ordered_blocks:
             if blk.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {blk!r}")
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                queue.append(blk)
+                if blk.block_hash is None or not keep_hashes:
+                    first.append(blk)
+                else:
+                    queue.append(blk)
+        if first:
+            queue.prepend_n(first)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only possible when no request holds a block."""
