@@ -12,6 +12,9 @@ same judgement, `trial.problems`, on live runs).
 
     python benchmarks/fix_efficacy.py [--only NAME ...] [--json]
 
+A false positive is a warning or critical finding on a healthy run. Faults that come
+together on a fault run (F1, F6 and F8 on one full pool) are listed with it, not counted.
+
 Ends with {"scenarios", "faults_expected", "detected", "false_positives", "printed_fixes",
 "helped_when_applied", "helped_share", "untested_printed", "per_scenario"}.
 """
@@ -100,8 +103,10 @@ def evaluate(s: Scenario, th: Thresholds) -> dict:
         return {"name": s.name, "error": first}
     sim = Simulator.of(SimTarget(model_preset(s.model), device_preset(s.device)), s.workload)
     found = try_fixes(diagnose(first, th), first, sim, th)
-    fired = {d.id for d in found} - {"insufficient_data"}
-    out = {"name": s.name, "expect": sorted(s.expect), "fired": sorted(fired), "fixes": []}
+    # An info finding (e.g. "the prompts share no prefixes") describes the workload, not a fault.
+    fired = {d.id for d in found if d.severity != "info"} - {"insufficient_data"}
+    out = {"name": s.name, "expect": sorted(s.expect), "fired": sorted(fired),
+           "info": sorted(d.id for d in found if d.severity == "info"), "fixes": []}
     for d in found:
         for trial in d.trials:
             if trial.verdict == UNTESTED:
