@@ -79,6 +79,19 @@ def rules_copy(dest: Path, for_: str | None = None, source: Path = PROJECT_RULES
     return dest
 
 
+def wait_for(check: Callable[[], object], timeout_s: float, what: str,
+             context: Callable[[], object] | None = None) -> object:
+    """Polls `check` until it returns something true; fails saying `what` it waited for (and `context()`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g} s for {what}" + (f"; {context()}" if context else ""))
+        time.sleep(0.2)
+
+
 class PromServer:
     """One Prometheus process; `stop()` ends its whole process group."""
 
@@ -167,17 +180,8 @@ class PromServer:
     # -- waiting --------------------------------------------------------------
     def wait_until(self, check: Callable[[], object], timeout_s: float, what: str,
                    context: Callable[[], object] | None = None) -> object:
-        """Polls `check` until it returns something true; fails saying `what` it waited for, with
-        `context()` (default: the end of Prometheus' log)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = check()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                seen = context() if context else f"prometheus log:\n{self.log_tail()}"
-                raise AssertionError(f"waited {timeout_s:g} s for {what}; {seen}")
-            time.sleep(0.2)
+        """wait_for, failing with `context()` (default: the end of Prometheus' log)."""
+        return wait_for(check, timeout_s, what, context or (lambda: f"prometheus log:\n{self.log_tail()}"))
 
     def wait_for_scrapes(self, jobs: tuple[str, ...] | None = None, timeout_s: float = 15.0) -> None:
         """Until every target of `jobs` (default: all the test's jobs) has been scraped successfully."""

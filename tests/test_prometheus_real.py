@@ -33,7 +33,7 @@ from kvtune.scrape import ScrapeError, Scraper
 from kvtune.scrape.prometheus_api import read_range
 from kvtune.targets.process import ManagedServer
 from kvtune.targets.servers import SERVED_NAME, VLLM_MODULE, default_vllm_command
-from promserver import ROOT, PromServer, prometheus_binary, rules_copy, running_prometheus
+from promserver import ROOT, PromServer, prometheus_binary, rules_copy, running_prometheus, wait_for
 from serverproc import ServerProcess, free_port, scrape
 from vllmserver import ENV as VLLM_ENV
 from vllmserver import START_TIMEOUT_S, TEST_ARGS, vllm_command
@@ -129,17 +129,6 @@ class Load:
             self.statuses.append((await client.post("/v1/completions", json=body)).status_code)
         except httpx.HTTPError as err:
             self.statuses.append(type(err).__name__)
-
-
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:g} s for {what}")
-        time.sleep(0.2)
 
 
 def idle(url: str) -> bool:
