@@ -5,11 +5,13 @@ import json
 import sys
 import time
 
+from sqlalchemy.exc import DBAPIError
+
 from kvengine.config import EngineConfig, device_preset, model_preset
 
 from ..calibrate import get_profile
 from ..environment import host_environment
-from ..store import Store, add_db_argument, resolve_db_url
+from ..store import Store, StoreError, add_db_argument, resolve_db_url
 from ..diagnose.trial import Simulator, diagnosed
 from ..targets import SimTarget
 from ..targets.build import add_server_flags, live_target
@@ -215,8 +217,14 @@ def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
     stored its own runs' diagnoses): the report and the UI read them."""
     thresholds = diagnosis_thresholds(list(slos))
     for view in (data.best_run, data.default_run):
-        if view is not None and view.stage == "sim" and not store.load_diagnoses(view.run_id):
-            store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
+        if view is None or view.stage != "sim":
+            continue
+        try:
+            if not store.load_diagnoses(view.run_id):
+                store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
+        except (StoreError, DBAPIError) as err:  # another worker of the study rewrote the run meanwhile
+            print(f"note: the diagnoses of run {view.run_id} were not stored ({str(err).splitlines()[0][:200]}); "
+                  f"`kvtune diagnose --run {view.run_id}` works them out")
 
 
 def _live_json(c) -> dict:
