@@ -114,8 +114,8 @@ def cmd_run(args) -> int:
 
 def _diagnose(result: RunResult, target, workload, profile: str | None) -> list:
     """The run's diagnoses, once, with each fix tried on the simulator (the run's own, for a sim run)."""
-    if isinstance(target, SimTarget):
-        sim, why = Simulator.of(target, workload, profile), ""
+    if isinstance(target, SimTarget):  # the run itself is the simulator's baseline
+        sim, why = Simulator.of(target, workload, profile).knows(result), ""
     else:
         sim, why = simulator_for(result, workload)
     return diagnosed(result, Thresholds(), sim, why_none=why)
