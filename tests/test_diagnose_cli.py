@@ -139,6 +139,13 @@ def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(capsys)
     assert f6 is not None, out
     preemptions = next(e for e in f6["evidence"] if e["metric"] == "vllm:num_preemptions_total")
     assert preemptions["value"] >= 5
+    # A live server's clients cannot see preemptions: their records (all 0) are never evidence, and
+    # never lower the severity of preemptions spread over the windows (issue #24: "0.0", a warning).
+    shares = [e for e in f6["evidence"] if e["metric"].startswith("requests preempted at least once")]
+    assert all(e["value"] > 0 and "vllm:request_num_preemptions" in e["metric"] for e in shares), shares
+    spread = next(e for e in f6["evidence"] if e["metric"] == "windows with preemptions")["value"]
+    if spread >= 0.5:
+        assert f6["severity"] == "critical", f6
     # 12 clients need more running than a 100-block pool holds: no max_num_seqs cap (it would
     # starve them, issue #24), more pool instead
     assert f6["fix"].startswith("`--kv-cache-dtype auto → fp8`") or "`--max-num-seqs current → " in f6["fix"]

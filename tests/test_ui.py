@@ -1,6 +1,8 @@
 """`kvtune ui`: every page through Streamlit's AppTest, on a database seeded by real runs and a real search,
 and on an empty one; the Live page against a real bundled engine."""
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -114,8 +116,8 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def seeded(tmp_path_factory, server):
-    return seed_database(tmp_path_factory.mktemp("ui"), server.url)
+def seeded(ui_database):
+    return ui_database  # tests/conftest.py: seeded once for this module and test_ui_browser.py
 
 
 # ---------------------------------------------------------------- helpers
@@ -290,6 +292,45 @@ def test_diagnoses_page_cards_by_severity(seeded, monkeypatch):
     box.select(seeded.runs["sim default"]).run()
     check_page(at, "Diagnoses")
     assert at.success[0].value.startswith("No faults found")
+
+
+def test_a_study_run_stored_without_diagnoses_is_judged_by_its_studys_slos(seeded, tmp_path):
+    """The dashboard works out the diagnoses of a run stored without any (an older database, a stage-1
+    trial the report does not show) with its study's SLOs (here TTFT p95 <= 500 ms), not the rules'
+    default limit (1 s); `kvtune diagnose --run` does the same, and says so."""
+    from kvtune.search.slo import SLO
+    from kvtune.search.study import study_slos
+    from kvtune.ui import data
+
+    db = f"sqlite:///{tmp_path}/copy.db"
+    shutil.copy(seeded.db.removeprefix("sqlite:///"), db.removeprefix("sqlite:///"))
+    assert study_slos(db, "s") == [SLO("ttft", 95, 0.5)]
+    assert study_slos(db, "no such study") == []
+    with Store(db) as store:
+        tight = store.load_run(seeded.runs["sim tight pool"])
+        run_id = store.save_run(tight, label="a trial of study s", study="s", trial=999)
+        row = store.get_run(run_id)
+    diagnoses, stored = data.run_diagnoses(db, row)
+    assert not stored
+    slo_limits = {e.threshold for d in diagnoses for e in d.evidence if "(SLO)" in e.threshold}
+    assert slo_limits and all("> 0.5 s" in t for t in slo_limits), slo_limits
+
+    p = subprocess.run([sys.executable, "-m", "kvtune", "diagnose", "--run", str(run_id), "--db", db,
+                        "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "of study 's', judged by its SLOs (ttft_p95 <= 500 ms)" in p.stdout
+    found = json.loads(p.stdout.strip().splitlines()[-1])["diagnoses"]
+    limits = {e["threshold"] for d in found for e in d["evidence"] if "(SLO)" in e["threshold"]}
+    assert limits and all("> 0.5 s" in t for t in limits), limits
+
+
+def test_study_slos_of_a_database_without_studies_creates_nothing(tmp_path):
+    from kvtune.search.study import study_slos
+    db = f"sqlite:///{tmp_path}/runs.db"
+    Store(db).close()
+    assert study_slos(db, "s") == []
+    import sqlalchemy
+    assert "studies" not in sqlalchemy.inspect(sqlalchemy.create_engine(db)).get_table_names()
 
 
 # ---------------------------------------------------------------- Planner

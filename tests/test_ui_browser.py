@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 from serverproc import ServerProcess, free_port
-from test_ui import DEVICE, PAGES, PRESET, seed_database
+from test_ui import DEVICE, PAGES, PRESET
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,9 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def ui(tmp_path_factory):
+def ui(tmp_path_factory, ui_database):
     folder = tmp_path_factory.mktemp("ui_browser")
-    seeded = seed_database(folder)
+    seeded = ui_database  # tests/conftest.py: the database test_ui.py reads too
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with open(folder / "ui.log", "w+") as log:

@@ -5,9 +5,13 @@ Every figure kvtune prints about the server is checked against vLLM's own
 the others start their own through kvtune, as an operator's command would.
 """
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +56,64 @@ def shared_prefix_trace(tmp_path_factory):
     return str(path), workload
 
 
+@dataclass
+class Early:
+    """kvtune commands that start their own vLLM, launched when the module's first vLLM test begins
+    so that their vLLM starts (a core's worth of imports each) overlap the shared server's; each
+    test collects its command's result. Timing-sensitive tests wait for all of them first."""
+    folder: Path
+    procs: dict = field(default_factory=dict)
+    done: dict = field(default_factory=dict)
+
+    def start(self, name: str, *args: str) -> None:
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvtune", *args], stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def result(self, name: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        if name not in self.done:
+            proc = self.procs[name]
+            out, err = proc.communicate(timeout=timeout)
+            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.done[name]
+
+    def wait_all(self) -> None:
+        for name in self.procs:
+            self.result(name)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.communicate(timeout=60)
+
+
+TINY_POOL_TEST = "test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6"
+REFUSED_TEST = "test_a_refused_block_size_is_diagnosed_by_its_cause"
+
+
 @pytest.fixture(scope="module")
-def vllm_url(checkpoint, tmp_path_factory):
+def early(request, checkpoint, shared_prefix_trace, tmp_path_factory):
+    vllm_command()  # skips, saying how to get vLLM, when there is none
+    wanted = {item.name for item in request.session.items if item.module is request.module}
+    runs = Early(tmp_path_factory.mktemp("early"))
+    try:
+        if TINY_POOL_TEST in wanted:
+            trace = runs.folder / "tight.jsonl"
+            write_workload(tiny_pool_workload(), str(trace))
+            runs.start("tiny", "run", "--target", "vllm", "--model", checkpoint, "--workload", str(trace),
+                       "--block-size", "32", "--num-gpu-blocks-override", "64", "--max-model-len", MAX_MODEL_LEN,
+                       *server_flags(), "--db", f"sqlite:///{runs.folder}/tiny.db", "--json")
+        if REFUSED_TEST in wanted:
+            runs.start("refused", "run", "--target", "vllm", "--model", checkpoint, "--workload",
+                       shared_prefix_trace[0], "--block-size", "16", "--max-model-len", MAX_MODEL_LEN,
+                       *server_flags(), "--db", f"sqlite:///{runs.folder}/refused.db")
+        yield runs
+    finally:
+        runs.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_url(early, checkpoint, tmp_path_factory):
     """One vLLM for the tests that only send traffic and read (block size 32, its own pool of 1 GiB)."""
     port = free_port()
     command = [*vllm_command().split(), "--model", checkpoint, "--host", "127.0.0.1", "--port", str(port),
@@ -107,7 +167,8 @@ def test_diagnose_url_watches_vllm_under_load(vllm_url, shared_prefix_trace, tmp
     assert "F5" not in ids and "F6" not in ids, out  # a roomy pool under light load: no memory faults
 
 
-def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp_path):
+def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, early, tmp_path):
+    early.wait_all()  # calibration times the server's steps: nothing else may share the host
     db = f"sqlite:///{tmp_path}/cal.db"
     p = kvtune("calibrate", "--target", vllm_url, "--preset", "tiny", "--device", "cpu", "--quick",
                "--max-batch", "16", "--max-prompt", "512", "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
@@ -123,18 +184,18 @@ def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp
         assert not list_profiles(db)
 
 
-def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(checkpoint, tmp_path):
+def tiny_pool_workload():
+    return synthesize(SynthSpec(num_requests=20, rate=200.0, input_len=parse_dist("384"),
+                                output_len=parse_dist("192"), seed=2))
+
+
+def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(early):
     """kvtune starts vLLM itself (module form, no --block-size: the CPU build's own 128 is used
     and read back); 64 blocks of 32 tokens take five 384-token prompts, which outgrow it as they
     decode 192 tokens each (20 requests: the fewest a diagnosis judges)."""
-    workload = synthesize(SynthSpec(num_requests=20, rate=200.0, input_len=parse_dist("384"),
-                                    output_len=parse_dist("192"), seed=2))
-    trace = tmp_path / "tight.jsonl"
-    write_workload(workload, str(trace))
-    db = f"sqlite:///{tmp_path}/runs.db"
-    p = kvtune("run", "--target", "vllm", "--model", checkpoint, "--workload", str(trace), "--block-size", "32",
-               "--num-gpu-blocks-override", "64", "--max-model-len", MAX_MODEL_LEN, *server_flags(),
-               "--db", db, "--json")
+    workload = tiny_pool_workload()
+    db = f"sqlite:///{early.folder}/tiny.db"
+    p = early.result("tiny")
     assert p.returncode == 0, p.stderr + p.stdout
     s = json.loads(p.stdout.strip().splitlines()[-1])
     assert s["completed"] == 20
@@ -148,11 +209,9 @@ def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(checkpoint, t
     assert run.config["num_gpu_blocks"] == 64 and run.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def test_a_refused_block_size_is_diagnosed_by_its_cause(checkpoint, shared_prefix_trace, tmp_path):
-    path, _ = shared_prefix_trace
-    db = f"sqlite:///{tmp_path}/runs.db"
-    p = kvtune("run", "--target", "vllm", "--model", checkpoint, "--workload", path, "--block-size", "16",
-               "--max-model-len", MAX_MODEL_LEN, *server_flags(), "--db", db)
+def test_a_refused_block_size_is_diagnosed_by_its_cause(early):
+    db = f"sqlite:///{early.folder}/refused.db"
+    p = early.result("refused")
     assert p.returncode == 1
     assert "No common block size for 16" in p.stderr, p.stderr
     assert "full log:" in p.stderr
@@ -163,7 +222,8 @@ def test_a_refused_block_size_is_diagnosed_by_its_cause(checkpoint, shared_prefi
     assert "--block-size" in d.stdout and "128" in d.stdout
 
 
-def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, tmp_path):
+def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, early, tmp_path):
+    early.wait_all()  # its live stage judges the host's CPU: nothing else may share it
     path, _ = shared_prefix_trace
     db = f"sqlite:///{tmp_path}/s.db"
     # One run per config keeps the suite's vLLM starts at two (the check's server runs the default,

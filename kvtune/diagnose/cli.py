@@ -106,14 +106,24 @@ def cmd_diagnose(args) -> int:
 
 
 def _diagnose_stored(args, thresholds: Thresholds) -> int:
-    store = Store(resolve_db_url(args.db))
+    from ..search.slo import diagnosis_thresholds  # the search's modules import this package's
+    from ..search.study import study_slos
+
+    db_url = resolve_db_url(args.db)
+    store = Store(db_url)
     row = store.get_run(args.run)
     result = store.load_run(args.run)
     error = (row.error or "(no error recorded)") if row.status == "failed" else None
+    # A study's run is judged by the study's SLOs, as its search judged it when it stored these.
+    slos = study_slos(db_url, row.study) if row.study else []
+    if not any(t.startswith("ttft_p95_slo_s=") for t in args.threshold):
+        thresholds = diagnosis_thresholds(slos, thresholds)
     simulator, why_none = _simulator(args, result)
-    diagnoses = diagnosed(result, thresholds, simulator, error=error, why_none=why_none)
+    diagnoses = diagnosed(result, thresholds, simulator, slos, error=error, why_none=why_none)
     store.save_diagnoses(args.run, diagnoses)
     label = f"run {args.run}" + (" (failed)" if error is not None else "")
+    if slos:
+        label += f" of study {row.study!r}, judged by its SLOs ({', '.join(map(str, slos))})"
     _print(result, label, diagnoses, thresholds, args.json, {"run_id": args.run},
            f"diagnoses stored with run {args.run} in {store.display_url}")
     return 0

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -10,15 +9,12 @@ import optuna
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 
 from ..results import RunResult
-from ..search.slo import SLO, score
+from ..search.slo import SLO, SLOError, score, study_slos_from_attrs
 from ..search.stage2 import LIVE_LABEL, live_measurement
 from ..search.study import open_storage
 from ..search.validity import measured_on
 from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
 from ..search.ranking import Candidate, Measurement, Verdict, choose
-
-_SLO_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
-
 
 class ReportError(ValueError):
     """The study cannot be reported: its database is missing, or the study is unknown or empty."""
@@ -108,6 +104,10 @@ def _load_study(db_url: str, name: str) -> optuna.Study:
 
 def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
     attrs = study.user_attrs
+    try:
+        slos = study_slos_from_attrs(attrs)
+    except SLOError as err:
+        raise ReportError(str(err)) from None
     knobs = list(attrs.get("space") or {})
     if not knobs:
         knobs = list(dict.fromkeys(k for t in study.get_trials(deepcopy=False) for k in t.params))
@@ -115,28 +115,11 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
     return StudyInfo(
         name=study.study_name, objective=attrs.get("objective", "goodput"),
         directions=[d.name.lower() for d in study.directions],
-        slos=_slos(attrs), latency=attrs.get("latency", "ttft_p95"),
+        slos=slos, latency=attrs.get("latency", "ttft_p95"),
         workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
         live_requests=attrs.get("live_requests"))
-
-
-def _slos(attrs: dict) -> list[SLO]:
-    """The study's SLOs as the search stored them; a study from before it stored them whole is read
-    back from their text."""
-    if attrs.get("slo_specs") is not None:
-        return [SLO(d["metric"], int(d["percentile"]), float(d["threshold_s"])) for d in attrs["slo_specs"]]
-    return [parse_slo_text(s) for s in attrs.get("slos") or []]
-
-
-def parse_slo_text(text: str) -> SLO:
-    """The SLO back from how the study stores it (str(SLO): 'ttft_p95 <= 500 ms')."""
-    m = _SLO_TEXT.match(text.strip())
-    if not m:
-        raise ReportError(f"cannot read the study's SLO {text!r}; expected e.g. 'ttft_p95 <= 500 ms'")
-    metric, pct, value = m.groups()
-    return SLO(metric, int(pct), float(value) / 1000)
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:

@@ -58,6 +58,24 @@ def parse_slo(text: str) -> SLO:
     return SLO(metric, int(pct), threshold)
 
 
+_STORED_TEXT = re.compile(r"^(ttft|tpot|itl|e2e)_p(\d+)\s*<=\s*([0-9.eE+-]+)\s*ms$")
+
+
+def study_slos_from_attrs(attrs: dict) -> list[SLO]:
+    """A study's SLOs as the search stored them (its user attrs); a study from before it stored them
+    whole is read back from their text (str(SLO): 'ttft_p95 <= 500 ms')."""
+    if attrs.get("slo_specs") is not None:
+        return [SLO(d["metric"], int(d["percentile"]), float(d["threshold_s"])) for d in attrs["slo_specs"]]
+    slos = []
+    for text in attrs.get("slos") or []:
+        m = _STORED_TEXT.match(text.strip())
+        if not m:
+            raise SLOError(f"cannot read the study's SLO {text!r}; expected e.g. 'ttft_p95 <= 500 ms'")
+        metric, pct, value = m.groups()
+        slos.append(SLO(metric, int(pct), float(value) / 1000))
+    return slos
+
+
 @dataclass
 class Score:
     goodput_rps: float
@@ -102,10 +120,11 @@ def score(result: RunResult, slos: list[SLO]) -> Score:
                  requests=len(result.requests), good=len(good), observed=observed, violations=violations)
 
 
-def diagnosis_thresholds(slos: list[SLO]) -> Thresholds:
+def diagnosis_thresholds(slos: list[SLO], base: Thresholds | None = None) -> Thresholds:
     """The fault rules' TTFT limit is the study's own TTFT p95 SLO where it has one."""
+    base = base or Thresholds()
     ttft = next((s for s in slos if s.name == "ttft_p95"), None)
-    return replace(Thresholds(), ttft_p95_slo_s=ttft.threshold_s) if ttft else Thresholds()
+    return replace(base, ttft_p95_slo_s=ttft.threshold_s) if ttft else base
 
 
 def _meets(slo: SLO, rec: RequestRecord) -> bool:

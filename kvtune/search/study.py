@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import optuna
+import sqlalchemy
 import sqlalchemy.exc
 from optuna.trial import TrialState
 
@@ -31,6 +32,7 @@ from ..targets import TargetRunError, TargetStartError
 from ..targets.process import failure_reason, interruption
 from ..workload import rate_scale
 from .objective import Objective
+from .slo import SLO, study_slos_from_attrs
 from .space import SearchSpace, check_config
 
 SAMPLERS = ("tpe", "gp", "random")
@@ -38,6 +40,9 @@ FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
 KEEP_FULL = 3  # the best stage-1 runs kept in full, besides the default's; the rest in summary
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)  # we report failed trials ourselves
+
+
+OPTUNA_STUDIES_TABLE = "studies"
 
 
 class StudyError(ValueError):
@@ -69,6 +74,27 @@ def open_storage(db_url: str, heartbeat_s: float = 30.0) -> optuna.storages.RDBS
             if not schema_race or attempt == 4:
                 raise
             time.sleep(0.2 * (attempt + 1))
+
+
+def study_slos(db_url: str, name: str) -> list[SLO]:
+    """The SLOs study `name` was searched with, from Optuna's tables beside the run store; none where
+    the database holds no such study (nothing is created)."""
+    engine = sqlalchemy.create_engine(db_url)
+    try:
+        if OPTUNA_STUDIES_TABLE not in sqlalchemy.inspect(engine).get_table_names():
+            return []
+    finally:
+        engine.dispose()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        storage = optuna.storages.RDBStorage(db_url, skip_table_creation=True)
+    try:
+        return study_slos_from_attrs(optuna.load_study(study_name=name, storage=storage).user_attrs)
+    except KeyError:  # no study of that name
+        return []
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
 
 
 def make_sampler(name: str, seed: int | None, multi: bool) -> optuna.samplers.BaseSampler:

@@ -15,11 +15,14 @@ import sqlalchemy
 import streamlit as st
 from sqlalchemy.engine import make_url
 
-from ..diagnose import Diagnosis, diagnose
+from ..diagnose import Diagnosis
 from ..report.data import ReportData, load_report_data
+from ..report.diagnoses import stored_or_worked_out
 from ..report.importance import Importance, param_importance
 from ..report.words import value_label
 from ..results import RunResult
+from ..search.slo import SLO
+from ..search.study import OPTUNA_STUDIES_TABLE, study_slos
 from ..store import (
     DB_ENV,
     DiagnosisRow,
@@ -32,7 +35,6 @@ from ..store import (
 )
 
 RUNS_TABLE = "kvtune_runs"
-STUDIES_TABLE = "studies"  # Optuna's
 FRESH_S = 5  # what a running search or run may still change
 RUN_LIMIT = 2000
 
@@ -95,7 +97,7 @@ def inspect_database(url: str) -> Database:
     try:
         tables = _tables(url)
         has_runs = RUNS_TABLE in tables and bool(runs_list(url, 1))
-        names = study_names(url) if STUDIES_TABLE in tables else []
+        names = study_names(url) if OPTUNA_STUDIES_TABLE in tables else []
     except (StoreError, sqlalchemy.exc.SQLAlchemyError) as err:
         return Database(url, shown, error=f"cannot read {shown}: {_first_line(err)}")
     return Database(url, shown, has_runs=has_runs, studies=names)
@@ -155,14 +157,21 @@ def stored_diagnoses(url: str, run_id: int) -> list[DiagnosisRow]:
 
 
 def run_diagnoses(url: str, row: RunSummaryRow) -> tuple[list[Diagnosis], bool]:
-    """The run's stored diagnoses, else worked out now (and not stored); and whether they were stored."""
+    """The run's stored diagnoses, else worked out now with its study's SLOs (and not stored); and
+    whether they were stored."""
     stored = stored_diagnoses(url, row.id)
     if stored:
-        return [Diagnosis.from_stored(d) for d in stored], True
+        return stored_or_worked_out(stored, None, []), True
     result = run_result(url, row.id, row.status)
     if result is None or row.status == "running":
         return [], False
-    return diagnose(result, error=row.error if row.status == "failed" else None), False
+    slos = run_study_slos(url, row.study) if row.study else []
+    return stored_or_worked_out([], result, slos, error=row.error if row.status == "failed" else None), False
+
+
+@st.cache_data(ttl=FRESH_S, show_spinner=False)
+def run_study_slos(url: str, study: str) -> list[SLO]:
+    return study_slos(url, study)
 
 
 # ---------------------------------------------------------------- studies
