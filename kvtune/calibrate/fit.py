@@ -30,7 +30,6 @@ from kvengine.cost import TIED_TO, CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
 from kvengine.executor import SHAPE_FIELDS, STEP_SHAPE_FIELDS, SimExecutor
 from kvengine.request import SamplingParams
-from scipy.optimize import least_squares
 
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
@@ -373,6 +372,8 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     attention share (decode_attention_efficiency: a paged decode kernel beside a
     flash-attention prefill) and that of chunks after earlier context
     (context_attention_efficiency: gathered context and an explicit mask)."""
+    from scipy.optimize import least_squares  # here: only calibration pays scipy's import
+
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
     dropped = [o for o in observations if not (o.measured_s > 0 and math.isfinite(o.measured_s))]

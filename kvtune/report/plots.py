@@ -5,19 +5,31 @@ Each function returns None when there is nothing to draw.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import io
 import math
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from .data import RunView
 from ..search.ranking import Measurement
 from .words import metric_label
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 FEASIBLE, INFEASIBLE, FAILED, BEST = "#1f77b4", "#d62728", "#7f7f7f", "#2ca02c"
 RUN_COLOURS = ("#2ca02c", "#ff7f0e")  # recommended, default
 MAX_POINTS = 400  # time bins per series: a sim run has a point per engine step
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """A figure on matplotlib's Agg canvas; matplotlib is imported here, by the commands that draw, so
+    the others (`kvtune run`, `--help`) start without it."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
 
 
 def png(fig: Figure) -> bytes:
@@ -31,7 +43,7 @@ def history(trials: list[Measurement], value_label: str) -> bytes | None:
     done = [t for t in trials if t.ok and _finite(t.value)]
     if not done:
         return None
-    fig = Figure(figsize=(8, 3.6))
+    fig = new_figure(8, 3.6)
     ax = fig.subplots()
     for feasible, colour, marker, label in ((True, FEASIBLE, "o", "meets the SLOs"),
                                             (False, INFEASIBLE, "x", "misses an SLO")):
@@ -68,7 +80,7 @@ def tradeoff(trials: list[Measurement], latency: str, front: set[int], slo_limit
     pts = [(t, x, y) for t, x, y in pts if _finite(x) and _finite(y)]
     if not pts:
         return None
-    fig = Figure(figsize=(8, 3.6))
+    fig = new_figure(8, 3.6)
     ax = fig.subplots()
     for feasible, colour, marker, label in ((True, FEASIBLE, "o", "meets the SLOs"),
                                             (False, INFEASIBLE, "x", "misses an SLO")):
@@ -97,7 +109,7 @@ def _latency(t: Measurement, name: str) -> float | None:
 
 def importance(values: dict[str, float]) -> bytes:
     names = list(values)[::-1]  # largest on top
-    fig = Figure(figsize=(7, 0.5 * len(names) + 1.2))
+    fig = new_figure(7, 0.5 * len(names) + 1.2)
     ax = fig.subplots()
     ax.barh(names, [values[n] * 100 for n in names], color=FEASIBLE)
     for y, name in enumerate(names):
@@ -112,7 +124,7 @@ def kv_over_time(runs: list[RunView]) -> bytes | None:
     runs = [r for r in runs if len(r.result.series.get("time") or [])]
     if not runs:
         return None
-    fig = Figure(figsize=(8, 7))
+    fig = new_figure(8, 7)
     usage_ax, hit_ax, pre_ax = fig.subplots(3, 1, sharex=True)
     most = 0.0
     for run, colour in zip(runs, RUN_COLOURS):
