@@ -56,6 +56,7 @@ class Simulator:
     workload: Workload
     label: str
     runs: dict = field(default_factory=dict)  # config -> RunResult, or why it did not start
+    found: dict = field(default_factory=dict)  # (id of a run in `runs`, thresholds) -> its faults' ids
 
     @classmethod
     def of(cls, target: SimTarget, workload: Workload, profile: str | None = None) -> "Simulator":
@@ -75,6 +76,14 @@ class Simulator:
             except (TargetStartError, ConfigError, ValueError) as err:
                 self.runs[key] = str(err).splitlines()[0] if str(err) else type(err).__name__
         return self.runs[key]
+
+    def faults(self, run: RunResult, th: Thresholds) -> list[str]:
+        """The ids of what `diagnose` finds in one of its runs: worked out once, for every fault
+        whose fixes share a run (F1, F6 and F8 often try the same pool)."""
+        key = (id(run), th)
+        if key not in self.found:
+            self.found[key] = [x.id for x in diagnose(run, th)]
+        return self.found[key]
 
 
 def _key(config: EngineConfig) -> str:
@@ -114,7 +123,7 @@ def _try(d: Diagnosis, result: RunResult, sim: Simulator | None, th: Thresholds,
     except (TypeError, ValueError) as err:
         return _untested(d, f"the run's config is not one the simulator takes ({err})")
     base = sim.run(base_config)
-    shown = _shows(d.id, base, th)
+    shown = _shows(d.id, base, th, sim)
     if shown is not None:
         return _untested(d, f"{sim.label} does not show {d.id} on this workload ({shown})")
     for change in d.changes:
@@ -156,14 +165,17 @@ def trial(fault: str, change: FlagChange, result: RunResult, base_config: Engine
     if isinstance(fixed, str):
         return made(NO_HELP, f"the simulator would not start it: {fixed[:200]}")
     after = figures(fixed)
-    found = problems(fault, base, fixed, th, slos)
+    found = problems(fault, base, fixed, th, slos, sim)
     note = "; ".join(found) if found else f"{fault} is gone"
     return made(NO_HELP if found else HELPED, f"{note} ({effect_text(before, after)})", after)
 
 
-def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos) -> list[str]:
+def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos,
+             sim: Simulator | None = None) -> list[str]:
+    """What keeps `fixed` from counting as a fix of `fault` against `base` (none: it helped); `sim`
+    caches the diagnoses of its own runs."""
     out = []
-    if _shows(fault, fixed, th) is None:
+    if _shows(fault, fixed, th, sim) is None:
         out.append(f"{fault} still shows")
     before, after = figures(base), figures(fixed)
     peak = after.get("kv_usage_peak")
@@ -183,13 +195,13 @@ def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds
     return out
 
 
-def _shows(fault: str, run: RunResult | str, th: Thresholds) -> str | None:
+def _shows(fault: str, run: RunResult | str, th: Thresholds, sim: Simulator | None = None) -> str | None:
     """None where the run shows `fault`; else what it shows instead, in a few words."""
     if isinstance(run, str):
         return None if fault in ("F5", "START") else f"it would not start: {run[:120]}"
     if fault in ("F5", "START"):
         return "it starts"
-    found = [x.id for x in diagnose(run, th)]
+    found = sim.faults(run, th) if sim is not None else [x.id for x in diagnose(run, th)]
     return None if fault in found else ("it finds " + ", ".join(found) if found else "it finds no fault")
 
 
