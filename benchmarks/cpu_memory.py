@@ -86,10 +86,13 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(30)
-    pool = next((line.strip() for line in open(log.name) if "Available KV cache memory" in line), "")
+    lines = open(log.name).read().splitlines()
+    pool = next((line.strip() for line in lines if "Available KV cache memory" in line), "")
+    profile = next((line.strip() for line in lines if "Memory profiling" in line), "")
     out = {"budget_mib": budget / 2**20, "core_rss_idle_mib": round(idle / 2**20),
            "core_rss_peak_mib": round(peak / 2**20), "peak_over_budget": round(peak / budget, 3),
-           "peak_over_utilised_budget": round(peak / (UTILISATION * budget), 3), "pool": pool}
+           "peak_over_utilised_budget": round(peak / (UTILISATION * budget), 3), "pool": pool,
+           "profile": profile}
     print(f"engine core RSS: idle {out['core_rss_idle_mib']} MiB, peak {out['core_rss_peak_mib']} MiB "
           f"= {out['peak_over_budget']:.1%} of the {args.budget} budget ({pool})")
     if args.json:

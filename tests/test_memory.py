@@ -91,3 +91,16 @@ def test_vllm_batch_defaults_by_device():
     assert (big.max_num_seqs, big.max_num_batched_tokens) == (1024, 8192)
     assert (small.max_num_seqs, small.max_num_batched_tokens) == (256, 2048)
     assert big.max_model_len == 8192
+
+
+def test_log_lines_say_whether_the_activation_peak_was_measured():
+    model, device = model_preset("llama-3-8b"), device_preset("h100-80gb")
+    cfg = EngineConfig().resolve(model, device)
+    estimated = plan_memory(model, device, cfg)
+    measured = plan_memory(model, device, cfg, activation_bytes=3 * GiB)
+    assert not estimated.activation_measured and "(estimated)" in estimated.log_lines(8192)[0]
+    assert measured.activation_measured and "measured by a profile run" in measured.log_lines(8192)[0]
+    assert measured.activation_bytes == 3 * GiB
+    assert "activation peak memory takes 3.00 GiB" in measured.log_lines(8192)[0]
+    # the same formula, the measured peak in it
+    assert measured.kv_cache_bytes == estimated.kv_cache_bytes + estimated.activation_bytes - 3 * GiB

@@ -79,3 +79,31 @@ def test_the_pool_leaves_the_process_within_its_memory_budget():
     config = EngineConfig(max_model_len=1024, block_size=block_size).resolve(tiny, torch_device_spec("cpu", 1 << 30))
     activation = activation_peak_bytes(tiny, config.max_num_batched_tokens, config.max_num_seqs)
     assert held + pool + activation <= 1.02 * 0.92 * (1 << 30), (held, pool, activation)
+
+
+MEASURE = """
+import json, math
+from kvengine.config import EngineConfig
+from kvengine.torch_executor import build_torch_engine
+e = build_torch_engine(EngineConfig(max_model_len=1024), preset="tiny", device="cpu",
+                       device_memory=1 << 30, own_process=True)
+m = e.memory
+print(json.dumps(dict(measured=m.activation_measured, activation=m.activation_bytes, line=m.log_lines(1024)[0],
+                      available=m.kv_cache_bytes, blocks=m.num_gpu_blocks, block=m.block_bytes,
+                      rest=math.ceil((1 << 30) * e.config.gpu_memory_utilization) - m.weights_bytes
+                      - m.activation_bytes - m.overhead_bytes)))
+"""
+
+
+def test_the_cpu_activation_peak_is_measured_before_the_pool_is_sized():
+    """In a process serving one CPU engine (the server's core), as on CUDA, a profile run at
+    max_num_batched_tokens measures the activation peak (the rise of peak RSS), and the pool is
+    sized with it by the same formula. Its own process: the allocator settings it makes stay there."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", MEASURE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plan["measured"] and plan["activation"] > 0, plan
+    assert "measured by a profile run" in plan["line"]
+    assert plan["available"] == plan["rest"] and plan["blocks"] == plan["available"] // plan["block"]

@@ -58,6 +58,7 @@ class MemoryPlan:
     block_bytes: int
     block_size: int
     num_gpu_blocks: int  # includes vLLM's null block
+    activation_measured: bool = False  # a profile run's peak, not the estimate
 
     @property
     def num_usable_blocks(self) -> int:
@@ -73,7 +74,12 @@ class MemoryPlan:
 
     def log_lines(self, max_model_len: int) -> list[str]:
         """The lines vLLM prints at start-up, for operators who grep for them."""
+        how = "measured by a profile run" if self.activation_measured else "estimated"
         return [
+            f"Memory profiling: model weights take {self.weights_bytes / GiB:.2f} GiB; "
+            f"non-torch memory takes {self.overhead_bytes / GiB:.2f} GiB; activation peak "
+            f"memory takes {self.activation_bytes / GiB:.2f} GiB ({how}); the rest of "
+            f"{self.requested_bytes / GiB:.2f} GiB is reserved for KV cache.",
             f"Available KV cache memory: {self.kv_cache_bytes / GiB:.2f} GiB",
             f"GPU KV cache size: {self.num_tokens:,} tokens",
             f"Maximum concurrency for {max_model_len:,} tokens per request: "
@@ -124,7 +130,8 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
     else:
         num_blocks = available // block_bytes
     plan = MemoryPlan(device.memory_bytes, requested, weights, activation, overhead,
-                      available, block_bytes, cfg.block_size, int(num_blocks))
+                      available, block_bytes, cfg.block_size, int(num_blocks),
+                      activation_bytes is not None)
     _check_fits_one_request(plan, model, cfg)
     return plan
 

@@ -10,9 +10,12 @@
      profiling forward pass at `max_num_batched_tokens` (split over
      `max_num_seqs` sequences, with their logits), measured as vLLM measures it:
      the rise of torch.cuda.max_memory_allocated over the weights. On the CPU
-     the estimate of memory.activation_peak_bytes (the CPU allocator has no
-     peak counter worth trusting, and a profiling pass of a real model on a
-     CPU takes minutes).
+     the same pass (and a sampling pass over its logits), measured as the rise
+     of the process's peak resident memory (Linux VmHWM, reset first): what
+     torch, oneDNN and malloc hold at the peak, not only live tensors. Only in
+     a process that serves this engine alone (`profile_rss`: the server's
+     engine core), where RSS is the engine's; elsewhere, or where /proc cannot
+     say, memory.activation_peak_bytes estimates it.
   2. `initialize_cache(num_gpu_blocks, kv_manager)`: allocates the KV tensors
      (exactly num_gpu_blocks * memory.kv_bytes_per_block bytes of payload,
      plus the quantized types' scales, reported apart as `kv_scale_bytes`).
@@ -23,9 +26,11 @@
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -53,11 +58,14 @@ from .model import (
     prefill_mask,
     random_state_dict,
 )
+from .request import SamplingParams
 from .sampling import Sampler, is_greedy
 from .scheduler import SchedulerOutput
 
 DEFAULT_CPU_MEMORY = 2 * GiB
 THREADS_ENV = "KVENGINE_NUM_THREADS"
+M_ARENA_MAX = -8  # glibc's mallopt parameter (malloc.h)
+ONEDNN_CACHE_CAPACITY = 16  # primitives kept by tune_cpu_allocators
 
 
 # -- devices -------------------------------------------------------------------------
@@ -92,6 +100,46 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def reset_peak_resident() -> bool:
+    """Restart the kernel's peak-RSS counter (VmHWM) at the current RSS; False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since start or the last reset (VmHWM), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(l for l in f if l.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError, StopIteration):
+        return 0
+
+
+def tune_cpu_allocators() -> None:
+    """For a process that serves one CPU engine: keep memory that is freed returnable.
+
+    Every step's token count is a new shape, and oneDNN caches a primitive per
+    shape (1024 by default) for the life of the process; glibc gives each thread
+    its own heap (the pipe's reader thread one more), where freed pages stay
+    resident. Both grow the RSS under load past what the profile run saw. (A
+    fixed mmap threshold would return more, but page-faults every step's large
+    tensors: measured slower.) Must run before oneDNN's first primitive and
+    before threads start; an operator's own settings win.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def torch_device_spec(device: str, device_memory: int | None = None, runtime_bytes: int = 0) -> DeviceSpec:
@@ -144,8 +192,9 @@ def set_num_threads(num_threads: int | None = None) -> int:
 # -- the executor -------------------------------------------------------------------
 class TorchExecutor:
     def __init__(self, model: LlamaModel, tokenizer=None, seed: int = 0,
-                 kv_cache_dtype: str | None = None):
+                 kv_cache_dtype: str | None = None, profile_rss: bool = False):
         self.model = model
+        self.profile_rss = profile_rss
         self.spec: ModelSpec = model.spec
         self.device = model.device
         self.tokenizer = tokenizer
@@ -164,9 +213,26 @@ class TorchExecutor:
         self.config = config
         if self.kv_cache_dtype is None:
             self.kv_cache_dtype = config.kv_cache_dtype
-        if self.device.type != "cuda":
+        if self.device.type == "cuda":
+            return self._profile_cuda(config)
+        measured = self._profile_cpu(config) if self.profile_rss else None
+        if measured is None:
             return activation_peak_bytes(self.spec, config.max_num_batched_tokens, config.max_num_seqs)
-        return self._profile_cuda(config)
+        return measured
+
+    def _profile_cpu(self, config: EngineConfig) -> int | None:
+        """The rise of peak RSS over a profile run and a sampling pass; None where unknown."""
+        cache = self._profile_cache(config)
+        cache.data.zero_()  # its pages resident before the baseline: cache, not activation
+        if not reset_peak_resident():
+            return None
+        before = resident_bytes()
+        logits = self.profile_run(config, cache)
+        stub = SimpleNamespace(sampling_params=SamplingParams(temperature=1.0, top_p=0.95, top_k=50))
+        Sampler(0, self.device).sample(logits, [stub] * logits.shape[0])  # its own generator
+        peak = peak_resident_bytes()
+        del cache, logits
+        return max(0, peak - before) if peak else None
 
     def _profile_cuda(self, config: EngineConfig) -> int:
         cache = self._profile_cache(config)  # allocated before the baseline: not activation
@@ -374,6 +440,8 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
 
     set_num_threads(num_threads)
     torch_device = resolve_device(device)
+    if own_process and torch_device == "cpu":
+        tune_cpu_allocators()
     if model_path is not None:
         spec = model_spec_from_hf(model_path)
     else:
@@ -396,7 +464,7 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
         eos = tokenizer.eos_token_id
     if own_process and torch_device == "cpu":  # all it holds beside the weights, loaders' leftovers too
         device_spec = torch_device_spec(torch_device, device_memory, resident_bytes() - spec.weight_bytes)
-    executor = TorchExecutor(model, tokenizer, seed)
+    executor = TorchExecutor(model, tokenizer, seed, profile_rss=own_process and torch_device == "cpu")
     config = _replace(config, seed=seed) if config.seed != seed else config
     return LLMEngine(config, spec, device_spec, executor=executor,
                      clock=clock or WallClock(), eos_token_id=eos)
