@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -65,16 +66,24 @@ def stack_config(targets: dict[str, list[str]], self_target: str, rule_files: li
     return config
 
 
-def rules_copy(dest: Path, for_: str | None = None, source: Path = PROJECT_RULES) -> Path:
-    """alerts.yml written to `dest`, with every alert's `for:` set to `for_` when given.
+def rules_copy(dest: Path, for_: str | None = None, source: Path = PROJECT_RULES,
+               look_back: dict[str, str] | None = None) -> Path:
+    """alerts.yml written to `dest`, with every alert's `for:` set to `for_` when given, and each
+    text of `look_back` ({"offset 30m": "offset 18s", "[5m]": "[3s]"}) replaced in every expression.
 
-    Only the hold time changes: every expression is the string the file holds."""
+    Only hold times and look-back distances change; the rest of every expression is the file's.
+    Each key of `look_back` must be a range or an offset that some expression holds."""
     rules = yaml.safe_load(source.read_text())
-    if for_ is not None:
-        for group in rules["groups"]:
-            for rule in group["rules"]:
-                if "alert" in rule:
-                    rule["for"] = for_
+    look_back = look_back or {}
+    for old, new in look_back.items():
+        assert re.fullmatch(r"\[\w+\]|offset \w+", old) and re.fullmatch(r"\[\w+\]|offset \w+", new), (old, new)
+        assert old in source.read_text(), f"no expression of {source} holds {old!r}"
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if for_ is not None and "alert" in rule:
+                rule["for"] = for_
+            for old, new in look_back.items():
+                rule["expr"] = rule["expr"].replace(old, new)
     dest.write_text(yaml.safe_dump(rules, sort_keys=False, width=10_000))
     return dest
 
