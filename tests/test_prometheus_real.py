@@ -529,7 +529,7 @@ def test_the_live_page_reads_a_servers_history_from_prometheus(prom, engines, re
     from test_ui import check_page, open_app, text  # the dashboard's own test helpers
 
     url = engines["replay"].url
-    span = math.ceil(time.time() - replay_burst[0]) + 1
+    span = max(10, math.ceil(time.time() - replay_burst[0]) + 1)  # the page asks for 10 s at least
     at = open_app(f"sqlite:///{tmp_path}/none.db", monkeypatch, "live.py")
     at.text_input(key="live_url").input(url)
     at.text_input(key="live_prometheus").input(prom.url)
