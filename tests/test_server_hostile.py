@@ -372,7 +372,7 @@ def encode(body, how: int) -> bytes:
 
 
 @pytest.mark.slow
-@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(case=bodies(), how=st.sampled_from([0, 0, 0, 0, 0, 0, 1, 2]))
 def test_fuzzed_bodies_get_2xx_or_a_json_4xx_and_the_server_lives_on(server, case, how):
     path, body = case

@@ -119,7 +119,7 @@ def _running_with_heartbeat(db_path) -> bool:
 def test_a_search_stopped_in_stage_1_resumes_to_exactly_the_trials_asked(tmp_path, sig):
     trace = tmp_path / "t.jsonl"
     write_workload(Workload([TraceRequest(i / 40, 1500 + (i * 37) % 500, 60) for i in range(500)]), str(trace))
-    db_path, trials = tmp_path / "s.db", 8
+    db_path, trials = tmp_path / "s.db", 6
     args = ["search", "--workload", str(trace), "--device", "l4-24gb", "--max-model-len", "4096",
             "--objective", "throughput", "--trials", str(trials), "--target", "none", "--db", f"sqlite:///{db_path}",
             "--study", "k", "--no-report"]
