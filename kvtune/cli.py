@@ -1,10 +1,13 @@
 """`kvtune`: measure, explain and tune the KV cache of vLLM-style servers."""
 from __future__ import annotations
 
+import _thread
 import argparse
 import os
 import signal
 import sys
+import threading
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
@@ -43,24 +46,49 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOPPED = "the servers it started are stopped"
 
 
+class _Stop:
+    """The first stop signal, and whether its exception must be raised again.
+
+    A handler's exception that lands in a `__del__` or a weakref callback (SQLAlchemy's, during
+    a garbage collection) is printed as "Exception ignored" and dropped: kvtune would go on to
+    the end and exit 0. The unraisable hook sees it dropped and delivers the signal again, once
+    the collection is over."""
+    signum: int | None = None
+    redeliver = False
+
+
 def _on_signal(signum, _frame):
-    for sig in SIGNALS:  # a second signal must not cut short the unwinding the first one started
-        signal.signal(sig, _ignore)
-    raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+    if _Stop.signum is not None and not _Stop.redeliver:
+        return  # a second signal must not cut short the unwinding the first one started
+    _Stop.signum = _Stop.signum or signum
+    _Stop.redeliver = False
+    raise KeyboardInterrupt if _Stop.signum == signal.SIGINT else Terminated(_Stop.signum)
 
 
-def _ignore(_signum, _frame):
-    pass
+def _on_unraisable(unraisable) -> None:
+    if _Stop.signum is not None and isinstance(unraisable.exc_value, (KeyboardInterrupt, Terminated)):
+        _Stop.redeliver = True
+        threading.Thread(target=_deliver_again, args=(_Stop.signum,), daemon=True).start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _deliver_again(signum: int) -> None:
+    time.sleep(0.05)  # after the hook has returned: the handler must not raise inside it
+    _thread.interrupt_main(signum)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _on_unraisable
+    _Stop.signum, _Stop.redeliver = None, False
     try:
         return _run(args)
     finally:  # main() called in-process (tests) leaves the caller's handlers as they were
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        sys.unraisablehook = previous_hook
 
 
 ERRORS = (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError)

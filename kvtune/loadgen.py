@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .results import RequestRecord
+from .spawn import spawn
 from .workload import read_workload, workload_prompt_token_ids
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -137,17 +138,16 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
 def _start_locust(base: list[str], workers: int, log_file, env: dict, procs: list) -> subprocess.Popen:
     """The master (and its workers), appended to `procs` as each starts: the master first."""
     if not workers:
-        procs.append(subprocess.Popen(base, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env))
+        spawn(base, procs.append, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
         return procs[0]
     port = _free_port()
-    procs.append(subprocess.Popen(base + ["--master", "--master-bind-host", "127.0.0.1",
-                                          "--master-bind-port", str(port), "--expect-workers", str(workers)],
-                                  stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env))
+    spawn(base + ["--master", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
+                  "--expect-workers", str(workers)],
+          procs.append, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
     worker_cmd = [a for a in base if a not in ("--headless",)]
     for _ in range(workers):
-        procs.append(subprocess.Popen(worker_cmd + ["--worker", "--master-host", "127.0.0.1",
-                                                    "--master-port", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env))
+        spawn(worker_cmd + ["--worker", "--master-host", "127.0.0.1", "--master-port", str(port)],
+              procs.append, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return procs[0]
 
 

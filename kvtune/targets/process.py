@@ -15,6 +15,7 @@ import time
 
 import requests
 
+from ..spawn import spawn
 from .base import TargetRunError, TargetStartError
 from .startlog import log_tail, read_log, root_cause
 
@@ -101,14 +102,17 @@ class ManagedServer:
     def start(self) -> None:
         log = open(self.log_path, "w")
         try:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self._env,
-                                         start_new_session=True)  # its own group: we stop all it spawns
+            spawn(self.command, self._keep, stdout=log, stderr=subprocess.STDOUT, env=self._env,
+                  start_new_session=True)  # its own group: we stop all it spawns
         except OSError as err:
             message = f"cannot run {self.command[0]!r}: {err.strerror or err}"
             raise TargetStartError(message, cause=message) from err
         finally:
             log.close()
         self._wait_healthy()
+
+    def _keep(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
