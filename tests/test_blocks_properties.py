@@ -1,4 +1,4 @@
-"""The KV cache manager under random allocate / append / fork / free / lookup.
+"""The KV cache manager under random allocate / append / free / lookup.
 
 After every operation: used + free = usable; the free queue holds exactly the
 blocks with ref count 0, once each; each block's ref count equals the number
@@ -58,20 +58,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         req.all_token_ids.append(token)  # the sampled token, computed in the next step
         if self.kv.allocate_slots(req, 1) is None:
             return self._finish(req)  # what the scheduler would do: preempt it
-        # The token lands in the block at this index (a fresh, copied-on-write
-        # or still-partial block): whoever writes last owns the block's content.
+        # The token lands in the block at this index (a fresh or still-partial
+        # block): whoever writes last owns the block's content.
         idx = req.num_computed_tokens // BLOCK
         self.writer[self.kv.req_to_blocks[req.request_id][idx].block_id] = (req, idx)
         req.num_computed_tokens += 1
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self.live))
-        child = Request(self._new_id(), list(parent.prompt_token_ids))
-        child.all_token_ids = list(parent.all_token_ids)
-        self.kv.fork(parent, child)
-        self.live.append(child)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -113,12 +104,10 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_hashes_hold_their_tokens(self):
-        for h, entry in self.kv.pool.cached.items():
-            blocks = [entry] if not isinstance(entry, dict) else list(entry.values())
-            for blk in blocks:
-                assert blk.block_hash == h
-                w_req, w_idx = self.writer[blk.block_id]
-                assert w_req.block_hashes[w_idx] == h
+        for h, blk in self.kv.pool.cached.items():
+            assert blk.block_hash == h
+            w_req, w_idx = self.writer[blk.block_id]
+            assert w_req.block_hashes[w_idx] == h
 
     @invariant()
     def computed_prefix_matches_writers(self):

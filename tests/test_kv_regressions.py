@@ -1,7 +1,7 @@
 """Bugs that small vLLM clones shipped, pinned down."""
 import pytest
 
-from kvengine.blocks import BlockPool, KVCacheManager, hash_block_tokens
+from kvengine.blocks import BlockHashToBlockMap, BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
 from kvengine.config import EngineConfig
 from kvengine.request import Request, SamplingParams
 from kvengine.scheduler import Scheduler
@@ -30,9 +30,9 @@ def test_block_reused_after_eviction_loses_its_old_hash():
     old, _ = admit(kv, "old", [1, 2, 3, 4, 5])
     old_hash = old.block_hashes[0]
     kv.free(old)
-    assert kv.pool.get_cached_block(old_hash) is not None  # freed but still cached
+    assert kv.pool.cached.get_one_block(old_hash) is not None  # freed but still cached
     admit(kv, "new", list(range(50, 61)))  # needs all 3 blocks: evicts the cached one
-    assert kv.pool.get_cached_block(old_hash) is None
+    assert kv.pool.cached.get_one_block(old_hash) is None
     assert all(b.block_hash != old_hash for b in kv.pool.blocks)
     probe = Request("probe", [1, 2, 3, 4, 5])
     assert kv.get_computed_blocks(probe) == ([], 0)
@@ -99,20 +99,15 @@ def test_usage_counts_only_referenced_blocks():
     assert not kv.pool.cached
 
 
-def test_fork_copies_a_shared_partial_block_on_write():
-    kv = KVCacheManager(16, 4, 64)
-    parent, _ = admit(kv, "p", [1, 2, 3, 4, 5, 6])
-    child = Request("c", [1, 2, 3, 4, 5, 6])
-    kv.fork(parent, child)
-    shared = kv.get_block_ids("p")
-    assert kv.get_block_ids("c") == shared
-    assert [kv.pool.blocks[i].ref_cnt for i in shared] == [2, 2]
-    child.all_token_ids.append(9)
-    kv.allocate_slots(child, 1)
-    assert kv.get_block_ids("c")[0] == shared[0]  # full block stays shared
-    assert kv.get_block_ids("c")[1] != shared[1]  # the partial one was copied
-    assert kv.pending_copies == [(shared[1], kv.get_block_ids("c")[1])]
-    assert kv.pool.blocks[shared[1]].ref_cnt == 1
+def test_a_hash_two_requests_computed_at_once_keeps_both_blocks():
+    cached, a, b = BlockHashToBlockMap(), KVCacheBlock(1), KVCacheBlock(2)
+    cached.insert(b"h", a)
+    cached.insert(b"h", b)
+    assert len(cached) == 1 and sorted(blk.block_id for _, blk in cached.items()) == [1, 2]
+    assert cached.get_one_block(b"h") is a
+    assert cached.pop(b"h", 1) is a and cached.get_one_block(b"h") is b
+    assert cached.pop(b"h", 1) is None and cached.get_one_block(b"h") is b
+    assert cached.pop(b"h", 2) is b and cached.get_one_block(b"h") is None and len(cached) == 0
 
 
 def test_a_huge_pool_makes_its_blocks_only_as_they_are_first_used_in_vllms_order():

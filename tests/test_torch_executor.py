@@ -1,4 +1,4 @@
-"""TorchExecutor: KV bytes as memory.py predicts them, sampling, devices, copy-on-write,
+"""TorchExecutor: KV bytes as memory.py predicts them, sampling, devices,
 the greedy head, and build_torch_engine's wiring."""
 import dataclasses
 import json
@@ -122,22 +122,6 @@ def test_chunked_prefill_samples_only_at_the_end_of_the_prompt():
     assert req.num_output_tokens == 0 and req.num_computed_tokens == 16
     e.step()
     assert req.num_output_tokens == 1 and e.steps.duration[-1] > 0
-
-
-def test_copy_on_write_pending_copies_are_applied_before_the_step():
-    e = small_engine(kv_cache_dtype="int8", block_size=8, num_gpu_blocks_override=16,
-                     max_model_len=64)
-    req = e.add_request("a", list(range(10, 30)), SamplingParams(max_tokens=8, temperature=0.0))
-    e.step()
-    src, dst = e.kv.get_block_ids("a")[0], 15
-    cache = e.executor.cache
-    assert not torch.equal(cache.raw[:, :, :, dst], cache.raw[:, :, :, src])
-    e.kv.pending_copies.append((src, dst))
-    e.step()
-    assert e.kv.pending_copies == []
-    assert torch.equal(cache.raw[:, :, :, dst], cache.raw[:, :, :, src])
-    assert torch.equal(cache.scales[:, :, :, dst], cache.scales[:, :, :, src])
-    assert req.num_output_tokens == 2
 
 
 @pytest.mark.parametrize("dtype", ["auto", "fp8_e4m3", "fp8_e5m2", "int8"])

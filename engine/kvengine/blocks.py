@@ -1,4 +1,4 @@
-"""Paged KV blocks with vLLM V1 semantics: BlockPool and KVCacheManager.
+"""Paged KV blocks with vLLM V1 semantics: BlockPool, its BlockHashToBlockMap, KVCacheManager.
 
 - Block 0 is the null block: never allocated, freed or cached.
 - Free blocks sit in a doubly-linked queue in LRU-eviction order; a prefix hit
@@ -43,7 +43,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[bytes]:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -51,7 +51,6 @@ class KVCacheBlock:
         self.block_hash: bytes | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
-        self.is_null = False
 
     def __repr__(self) -> str:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
@@ -131,6 +130,65 @@ class FreeBlockQueue:
             b = b.next_free
 
 
+class BlockHashToBlockMap:
+    """The prefix cache: block hash -> cached block (vLLM V1's BlockHashToBlockMap).
+
+    Two requests that computed the same block at once both keep it reachable, as
+    in vLLM, so a hash may hold several blocks; it then maps to {block_id: block},
+    made only for that case so a lookup stays one dict read."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self):
+        self._cache: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: bytes) -> KVCacheBlock | None:
+        entry = self._cache.get(key)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    def insert(self, key: bytes, block: KVCacheBlock) -> None:
+        entry = self._cache.get(key)
+        if entry is None:
+            self._cache[key] = block
+        elif type(entry) is KVCacheBlock:
+            self._cache[key] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def pop(self, key: bytes, block_id: int) -> KVCacheBlock | None:
+        """Drop block `block_id` from under `key`; the block, or None if it was not there."""
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        if type(entry) is KVCacheBlock:
+            if entry.block_id != block_id:
+                return None
+            del self._cache[key]
+            return entry
+        block = entry.pop(block_id, None)
+        if len(entry) == 1:
+            self._cache[key] = next(iter(entry.values()))
+        return block
+
+    def items(self):
+        """Every (hash, block) pair, a hash once per block it holds."""
+        for key, entry in self._cache.items():
+            if type(entry) is KVCacheBlock:
+                yield key, entry
+            else:
+                for block in entry.values():
+                    yield key, block
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __len__(self) -> int:
+        """The number of hashes cached (a hash held by two blocks counts once)."""
+        return len(self._cache)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 2:
@@ -139,11 +197,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.free_queue = FreeBlockQueue(num_blocks)
         self.blocks = self.free_queue.blocks  # the blocks made so far (the rest were never used)
-        # hash -> block, or hash -> {block_id: block} when two requests computed
-        # the same block at once (both copies stay reachable, as in vLLM).
-        self.cached: dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        self.cached = BlockHashToBlockMap()
         self.null_block = self.free_queue.popleft()
-        self.null_block.is_null = True
         self.num_evictions = 0
 
     @property
@@ -158,39 +213,17 @@ class BlockPool:
         """vLLM's kv_cache_usage_perc: referenced blocks only (cached free ones are free)."""
         return 1.0 - self.free_queue.num_free / (self.num_blocks - 1)
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        entry = self.cached.get(block_hash)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry
-        return next(iter(entry.values()))
-
     def cache_full_blocks(self, blocks: list[KVCacheBlock], hashes: list[bytes],
                           start: int, end: int) -> None:
-        cached = self.cached
+        insert = self.cached.insert
         for i in range(start, end):
             blk = blocks[i]
-            if blk.block_hash is not None:
-                continue  # shared with a forked parent: already cached
-            h = hashes[i]
-            blk.block_hash = h
-            entry = cached.get(h)
-            if entry is None:
-                cached[h] = blk
-            elif type(entry) is KVCacheBlock:
-                cached[h] = {entry.block_id: entry, blk.block_id: blk}
-            else:
-                entry[blk.block_id] = blk
+            blk.block_hash = hashes[i]
+            insert(blk.block_hash, blk)
 
     def _evict(self, blk: KVCacheBlock) -> None:
-        h = blk.block_hash
+        self.cached.pop(blk.block_hash, blk.block_id)
         blk.block_hash = None
-        entry = self.cached.get(h)
-        if entry is blk:
-            del self.cached[h]
-        elif type(entry) is dict:
-            entry.pop(blk.block_id, None)
-            if len(entry) == 1:
-                self.cached[h] = next(iter(entry.values()))
         self.num_evictions += 1
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
@@ -281,8 +314,6 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the executor
-        self._forked = False  # no shared partial blocks can exist until a fork
 
     # -- queries -------------------------------------------------------------
     @property
@@ -300,6 +331,10 @@ class KVCacheManager:
     def num_evictions(self) -> int:
         return self.pool.num_evictions
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.pool.cached)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
@@ -312,22 +347,18 @@ class KVCacheManager:
         bs = self.block_size
         hashes = update_block_hashes(request, bs)
         max_blocks = (request.num_tokens - 1) // bs
-        get = self.pool.cached.get
+        get_one_block = self.pool.cached.get_one_block
         hits = []
         for h in hashes[:max_blocks]:
-            entry = get(h)
-            if entry is None:
+            blk = get_one_block(h)
+            if blk is None:
                 break
-            hits.append(entry if type(entry) is KVCacheBlock else next(iter(entry.values())))
+            hits.append(blk)
         return hits, len(hits) * bs
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         if self.enable_caching:
             self.prefix_stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
-
-    def take_prefix_stats(self) -> PrefixCacheStats:
-        stats, self.prefix_stats = self.prefix_stats, PrefixCacheStats()
-        return stats
 
     # -- allocation ----------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -337,10 +368,10 @@ class KVCacheManager:
         """Give the request slots for `num_new_tokens` more tokens; None if the pool
         cannot (the caller preempts or stops admitting)."""
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is None or self._forked:
-            return self._allocate(request, req_blocks, num_new_tokens, num_new_computed_tokens,
-                                  new_computed_blocks, full_sequence_must_fit)
-        # The hot path, inline: a running request with no shared blocks asks for more slots.
+        if req_blocks is None:
+            return self._allocate_first(request, num_new_tokens, num_new_computed_tokens,
+                                        new_computed_blocks, full_sequence_must_fit)
+        # The hot path, inline: a running request asks for more slots.
         bs = self.block_size
         computed = request.num_computed_tokens
         need = computed + num_new_tokens
@@ -361,35 +392,28 @@ class KVCacheManager:
                 self._cache_blocks(request, req_blocks, full)
         return new_blocks
 
-    def _allocate(self, request, req_blocks, num_new_tokens, num_new_computed_tokens,
-                  new_computed_blocks, full_sequence_must_fit):
+    def _allocate_first(self, request, num_new_tokens, num_new_computed_tokens,
+                        new_computed_blocks, full_sequence_must_fit):
+        """A request's first slots: its prefix hits, then new blocks for the rest."""
         bs = self.block_size
         rid = request.request_id
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens, self.max_model_len)
-        if req_blocks is None:
-            held = len(new_computed_blocks)
-            evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-            cow = 0
-        else:
-            held = len(req_blocks)
-            evictable = 0
-            cow = self._shared_tail_index(req_blocks, total_computed) is not None
+        held = len(new_computed_blocks)
+        # A hit block no request holds sits in the free queue: taking it uses up a free block.
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         free = self.pool.free_queue.num_free
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            if max(cdiv(full, bs) - held, 0) + evictable + cow > free:
+            if max(cdiv(full, bs) - held, 0) + evictable > free:
                 return None
         num_tokens_need_slot = min(total_computed + num_new_tokens, self.max_model_len)
         num_new_blocks = max(cdiv(num_tokens_need_slot, bs) - held, 0)
-        if num_new_blocks + evictable + cow > free:
+        if num_new_blocks + evictable > free:
             return None
 
-        if req_blocks is None:
-            self.pool.touch(new_computed_blocks)
-            req_blocks = self.req_to_blocks[rid] = list(new_computed_blocks)
-            self.num_cached_block[rid] = len(req_blocks)
-        elif cow:
-            self._copy_on_write(req_blocks, total_computed)
+        self.pool.touch(new_computed_blocks)
+        req_blocks = self.req_to_blocks[rid] = list(new_computed_blocks)
+        self.num_cached_block[rid] = len(req_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
         if self.enable_caching:
@@ -411,34 +435,6 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
-
-    # -- n > 1: fork with copy-on-write -------------------------------------
-    def fork(self, parent: Request, child: Request) -> None:
-        """The child shares every block of the parent; a shared partial block is
-        copied on the first write (see allocate_slots)."""
-        self._forked = True
-        blocks = list(self.req_to_blocks.get(parent.request_id, ()))
-        for b in blocks:
-            b.ref_cnt += 1
-        self.req_to_blocks[child.request_id] = blocks
-        self.num_cached_block[child.request_id] = self.num_cached_block.get(parent.request_id, 0)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.block_hashes = list(parent.block_hashes)
-
-    def _shared_tail_index(self, req_blocks: list[KVCacheBlock], num_computed: int) -> int | None:
-        """Index of the partially filled block the next token writes, if it is shared."""
-        idx, offset = divmod(num_computed, self.block_size)
-        if offset and idx < len(req_blocks) and req_blocks[idx].ref_cnt > 1:
-            return idx
-        return None
-
-    def _copy_on_write(self, req_blocks: list[KVCacheBlock], num_computed: int) -> None:
-        idx = self._shared_tail_index(req_blocks, num_computed)
-        src = req_blocks[idx]
-        (dst,) = self.pool.get_new_blocks(1)
-        src.ref_cnt -= 1  # still > 0: another table holds it
-        req_blocks[idx] = dst
-        self.pending_copies.append((src.block_id, dst.block_id))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

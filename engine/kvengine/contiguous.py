@@ -2,8 +2,8 @@
 
 Each admitted request reserves `max_model_len` tokens (rounded up to blocks)
 as one contiguous run of blocks, first fit, and holds it until it finishes. No
-sharing, no prefix caching. Same interface as KVCacheManager, so the scheduler
-and the executors run unchanged on top of it.
+sharing, no prefix caching. A kv_manager.KVManager, as KVCacheManager is, so
+the scheduler and the executors run unchanged on top of it.
 """
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from .request import Request
 
 
 class ContiguousKVCacheManager:
-    enable_caching = False
-
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = False):
+                 enable_caching: bool = False):  # KVCacheManager's signature: the engine builds either
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
         self.block_size = block_size
@@ -29,8 +27,8 @@ class ContiguousKVCacheManager:
         self.reservations: dict[str, tuple[int, int]] = {}
         self.num_reserved_blocks = 0
         self.prefix_stats = PrefixCacheStats()
-        self.pending_copies: list[tuple[int, int]] = []
         self.num_evictions = 0
+        self.num_cached_blocks = None  # no prefix cache
 
     @property
     def num_usable_blocks(self) -> int:
@@ -52,9 +50,6 @@ class ContiguousKVCacheManager:
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
         pass  # no prefix cache: nothing is queried, as vLLM with caching off
-
-    def take_prefix_stats(self) -> PrefixCacheStats:
-        return PrefixCacheStats()
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0, new_computed_blocks=(),
@@ -97,16 +92,6 @@ class ContiguousKVCacheManager:
             del runs[i - 1]
             i -= 1
         runs.insert(i, (start, length))
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """No sharing here: the child gets its own reservation and a copy of the
-        parent's filled blocks."""
-        if self.allocate_slots(child, 0) is None:
-            raise MemoryError(f"no contiguous run of {self.blocks_per_request} blocks left to fork into")
-        used = cdiv(parent.num_computed_tokens, self.block_size)
-        src, dst = self.reservations[parent.request_id][0], self.reservations[child.request_id][0]
-        self.pending_copies.extend((src + i, dst + i) for i in range(used))
-        child.num_computed_tokens = parent.num_computed_tokens
 
     def reset_prefix_cache(self) -> bool:
         return True

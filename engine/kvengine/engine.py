@@ -11,6 +11,7 @@ from .config import DeviceSpec, EngineConfig, ModelSpec
 from .contiguous import ContiguousKVCacheManager
 from .cost import CostCoefficients, StepCost
 from .executor import Executor, SimExecutor
+from .kv_manager import KVManager
 from .memory import MemoryPlan, plan_memory
 from .request import Request, RequestStatus, SamplingParams, check_prompt
 from .scheduler import Scheduler
@@ -55,20 +56,17 @@ class LLMEngine:
         self.config = config.resolve(model, device)
         self.model = model
         self.device = device
-        # A real executor may measure its activation peak (a profiling pass at
-        # max_num_batched_tokens, as vLLM does) before the pool is sized, and
-        # allocates its KV cache tensors once the block count is known.
-        profile = getattr(executor, "profile_activation_bytes", None)
-        activation = profile(self.config) if profile else None
-        self.memory: MemoryPlan = plan_memory(model, device, self.config, activation)
-        self.kv = self._make_kv_manager(self.memory.num_gpu_blocks)
-        self.scheduler = Scheduler(self.config, self.kv)
         self.cost = StepCost.build(model, device, self.config.kv_cache_dtype,
                                    self.config.block_size, cost_coefficients)
-        self.executor = executor or SimExecutor(self.cost)
-        init_cache = getattr(self.executor, "initialize_cache", None)
-        if init_cache:
-            init_cache(self.memory.num_gpu_blocks, self.kv)
+        self.executor: Executor = executor or SimExecutor(self.cost)
+        # A real executor measures its activation peak (a profiling pass at
+        # max_num_batched_tokens, as vLLM does) before the pool is sized, and
+        # allocates its KV cache tensors once the block count is known.
+        activation = self.executor.profile_activation_bytes(self.config)
+        self.memory: MemoryPlan = plan_memory(model, device, self.config, activation)
+        self.kv: KVManager = self._make_kv_manager(self.memory.num_gpu_blocks)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.executor.initialize_cache(self.memory.num_gpu_blocks, self.kv)
         self.clock = clock or VirtualClock()
         self.eos_token_id = eos_token_id
         self.steps = StepLog()
@@ -77,7 +75,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self._prefix_seen = (0, 0)
 
-    def _make_kv_manager(self, num_blocks: int):
+    def _make_kv_manager(self, num_blocks: int) -> KVManager:
         cfg = self.config
         cls = ContiguousKVCacheManager if cfg.kv_allocator == "contiguous" else KVCacheManager
         return cls(num_blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)

@@ -2,14 +2,16 @@
 
 `SimExecutor` runs no model: the step takes the roofline cost model's time and
 samples deterministic pseudo tokens. The torch executor (real forward passes)
-implements the same `execute`.
+implements the same `Executor` protocol.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+from .config import EngineConfig
 from .cost import StepCost
+from .kv_manager import KVManager
 from .scheduler import SchedulerOutput, kernel_pairs
 
 # Pseudo tokens stay inside the id range every common tokenizer accepts and
@@ -24,12 +26,27 @@ class ExecutorOutput:
 
 
 class Executor(Protocol):
+    """What LLMEngine calls, in this order: the first two once, at start-up."""
+
+    def profile_activation_bytes(self, config: EngineConfig) -> int | None:
+        """The activation peak a step at `config`'s limits needs, before the pool is
+        sized; None: memory.plan_memory estimates it."""
+
+    def initialize_cache(self, num_gpu_blocks: int, kv_manager: KVManager) -> None:
+        """Allocate the KV cache for the pool the engine sized."""
+
     def execute(self, out: SchedulerOutput) -> ExecutorOutput: ...
 
 
 class SimExecutor:
     def __init__(self, cost: StepCost):
         self.cost = cost
+
+    def profile_activation_bytes(self, config: EngineConfig) -> None:
+        return None  # no model runs: the memory plan's estimate stands
+
+    def initialize_cache(self, num_gpu_blocks: int, kv_manager: KVManager) -> None:
+        pass  # no KV tensors to allocate
 
     def execute(self, out: SchedulerOutput) -> ExecutorOutput:
         span = SIM_TOKEN_HIGH - SIM_TOKEN_LOW

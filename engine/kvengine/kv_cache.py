@@ -86,24 +86,13 @@ class PagedKVCache:
 
     def zero_fresh_blocks(self, slots: torch.Tensor) -> None:
         """Zero the blocks whose first slot this step writes: a block fills from
-        offset 0 (prefix hits and copy-on-write copies arrive full), so a padded
-        read past a request's last token only ever sees zeros or old, finite K/V.
+        offset 0 (prefix hits arrive full), so a padded read past a request's
+        last token only ever sees zeros or old, finite K/V.
         Needed by the gathering decode path (0 * NaN under the mask is NaN); the
         CPU kernel reads only written slots, and the executor skips it then."""
         fresh = slots[slots % self.block_size == 0]
         if fresh.numel():
             self.zero_blocks(fresh // self.block_size)
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst becomes a copy of block src, every layer."""
-        if not pairs:
-            return
-        dev = self.data.device
-        src = torch.tensor([s for s, _ in pairs], device=dev)
-        dst = torch.tensor([d for _, d in pairs], device=dev)
-        self.raw.index_copy_(3, dst, self.raw.index_select(3, src))
-        if self.scales is not None:
-            self.scales.index_copy_(3, dst, self.scales.index_select(3, src))
 
     # -- the write and the read of one layer ------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

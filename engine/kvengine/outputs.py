@@ -91,13 +91,12 @@ class EngineInfo:
 
 def scheduler_stats(engine) -> SchedulerStats:
     kv, sched = engine.kv, engine.scheduler
-    pool = getattr(kv, "pool", None)
     return SchedulerStats(
         num_running=len(sched.running), num_waiting=len(sched.waiting), kv_cache_usage=kv.usage(),
         num_free_blocks=kv.num_free_blocks,
         reserved_tokens=(kv.num_usable_blocks - kv.num_free_blocks) * engine.config.block_size,
         num_evictions=kv.num_evictions, prefix_queries=kv.prefix_stats.queries,
-        prefix_hits=kv.prefix_stats.hits, num_cached_blocks=None if pool is None else len(pool.cached))
+        prefix_hits=kv.prefix_stats.hits, num_cached_blocks=kv.num_cached_blocks)
 
 
 def iteration_stats(step) -> IterationStats:

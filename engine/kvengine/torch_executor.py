@@ -48,6 +48,7 @@ from .config import (
 from .engine import LLMEngine
 from .executor import ExecutorOutput
 from .kv_cache import PagedKVCache
+from .kv_manager import KVManager
 from .memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
 from .model import (
     TORCH_DTYPES,
@@ -202,7 +203,7 @@ class TorchExecutor:
         self.kv_cache_dtype = kv_cache_dtype
         self.config: EngineConfig | None = None
         self.cache: PagedKVCache | None = None
-        self.kv = None
+        self.kv: KVManager | None = None
         self.block_size = 0
         # Called as hook(requests, logits [S, vocab] float32) on every step that
         # samples (forces the full-logits path): for tests and accuracy studies.
@@ -281,7 +282,7 @@ class TorchExecutor:
         last = torch.tensor([c.row + c.num_tokens - 1 for c in chunks], device=dev)
         return self.model.compute_logits(hidden[last])
 
-    def initialize_cache(self, num_gpu_blocks: int, kv_manager) -> None:
+    def initialize_cache(self, num_gpu_blocks: int, kv_manager: KVManager) -> None:
         self.kv = kv_manager
         self.block_size = kv_manager.block_size
         dtype = self.kv_cache_dtype or (self.config.kv_cache_dtype if self.config else "auto")
@@ -320,10 +321,6 @@ class TorchExecutor:
         start = time.perf_counter()
         if self.cache is None:
             raise RuntimeError("TorchExecutor.execute before initialize_cache")
-        if self.kv.pending_copies:
-            pairs = list(self.kv.pending_copies)
-            self.kv.pending_copies.clear()
-            self.cache.copy_blocks(pairs)
         ids, positions, batch, sample_rows, sample_reqs, sample_at = self._prepare(out)
         sampled: list[int | None] = [None] * len(out.scheduled)
         if ids is not None:
