@@ -20,7 +20,7 @@ from test_diagnose import evidence, failed_start, fired, load_ramp_on_mha_model,
 
 from kvengine.config import EngineConfig
 from kvtune.diagnose import diagnose
-from kvtune.diagnose.watch import result_from_scrape
+from kvtune.targets.watch import result_from_scrape
 from kvtune.results import RunResult
 from kvtune.scrape import Scraper
 from kvtune.targets import TargetStartError
@@ -164,7 +164,7 @@ WATCH_S = 2.5  # at least the 2 s a run needs to be judged (Thresholds.min_durat
 
 
 def watched_while_serving(url: str, sent: list[list[int]], interval_s: float = 0.2) -> RunResult:
-    """What `kvtune diagnose --url --duration 2.5 --interval 0.2` reads (kvtune.diagnose.watch: the same
+    """What `kvtune diagnose --url --duration 2.5 --interval 0.2` reads (kvtune.targets.watch: the same
     scraper and result_from_scrape), with a bounded load sent meanwhile."""
     start = time.monotonic()
     scraper = Scraper(url, interval_s=interval_s)

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtune.diagnose.watch import result_from_scrape
+from kvtune.targets.watch import result_from_scrape
 from kvtune.scrape import ScrapeError, Scraper
 from kvtune.scrape.prometheus_api import read_range
 from kvtune.targets.process import ManagedServer

@@ -46,14 +46,15 @@ so the steps the server runs for probes are those it runs under load.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 
+from ..loadgen import sse_payload
 from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
+from ..scrape.scraper import http_get
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
@@ -94,7 +95,7 @@ class ServerInfo:
 def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
     url = url.rstrip("/")
     try:
-        resp = httpx.get(url + "/v1/models", timeout=timeout_s)
+        resp = http_get(url + "/v1/models", timeout=timeout_s)
         resp.raise_for_status()
         entry = resp.json()["data"][0]
     except httpx.HTTPError as err:
@@ -616,13 +617,12 @@ async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: lis
             raise _BadAnswer(f"HTTP {resp.status_code}: {text}")
         async for line in resp.aiter_lines():
             now = time.perf_counter()
-            if not line.startswith("data:"):
+            payload = sse_payload(line)
+            if payload is None:
                 continue
-            data = line[5:].strip()
-            if data == "[DONE]":
+            if payload == "DONE":
                 done = True
                 break
-            payload = json.loads(data)
             if "error" in payload:
                 raise _BadAnswer(f"error chunk: {payload['error'].get('message', payload['error'])}")
             if not payload.get("choices"):

@@ -2,7 +2,7 @@
 had it scraped the server itself, one snapshot per step.
 
     log = read_range("http://127.0.0.1:9090", '{job="engine"}', start, end, step_s=5)
-    result = kvtune.diagnose.watch.result_from_scrape(log, "http://engine:8000")
+    result = kvtune.targets.watch.result_from_scrape(log, "http://engine:8000")
 
 Range queries (`/api/v1/query_range`, in pieces of at most 10,000 steps: Prometheus answers at
 most 11,000 points per series) fetch every raw vllm:*, sglang:* and kvengine:* series the selector
@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import defaultdict
 from dataclasses import replace
 
+import httpx
+
 from .log import ScrapeLog
 from .parse import Snapshot, parse_exposition
-from .scraper import ScrapeError
+from .scraper import ScrapeError, http_client
 
 # Both spellings: a Prometheus 2 that negotiated OpenMetrics with prometheus-client stores `vllm_x`.
 NAMES = '__name__=~"(vllm|sglang|kvengine)[:_].+"'
@@ -124,18 +123,14 @@ def _helps(base: str, names: set[str]) -> dict[str, str]:
 def _api(base: str, path: str, params: dict, post: bool = False) -> dict:
     """`data` of a Prometheus /api/v1 answer, or a ScrapeError that says what went wrong where."""
     url = f"{base}/api/v1/{path}"
-    body = urllib.parse.urlencode(params).encode()
-    request = urllib.request.Request(url, data=body) if post else urllib.request.Request(
-        f"{url}?{body.decode()}" if params else url)
     try:
-        with _opener(base).open(request, timeout=TIMEOUT_S) as response:
-            answer = _json(response.read(), url)
-    except urllib.error.HTTPError as e:
-        answer = _json(e.read(), url, status=e.code)
-        e.close()
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ScrapeError(f"cannot reach Prometheus at {base}: {reason}") from e
+        with http_client(base, TIMEOUT_S) as client:
+            response = client.post(url, data=params) if post else client.get(url, params=params)
+    except httpx.UnsupportedProtocol as e:
+        raise ValueError(f"cannot reach Prometheus at {base}: {e}") from e
+    except (httpx.HTTPError, httpx.InvalidURL) as e:  # refused, timed out, reset
+        raise ScrapeError(f"cannot reach Prometheus at {base}: {e}") from e
+    answer = _json(response.content, url, status=response.status_code)
     if answer.get("status") != "success":
         raise ScrapeError(f"Prometheus at {base} refused {path} {params.get('query', '')}: "
                           f"{answer.get('errorType', 'error')}: {answer.get('error', answer)}", retryable=False)
@@ -151,13 +146,6 @@ def _json(raw: bytes, url: str, status: int = 200) -> dict:
     if not isinstance(answer, dict):
         raise ScrapeError(f"{url} (HTTP {status}) did not answer like the Prometheus HTTP API", retryable=False)
     return answer
-
-
-def _opener(url: str) -> urllib.request.OpenerDirector:
-    # A proxy from the environment must not carry requests to this machine's own Prometheus.
-    if urllib.parse.urlsplit(url).hostname in ("127.0.0.1", "localhost", "::1"):
-        return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    return urllib.request.build_opener()
 
 
 def _check_one_server(series: list[dict], selector: str, base: str) -> None:

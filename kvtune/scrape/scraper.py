@@ -1,17 +1,17 @@
 """Scraper: GET a server's /metrics every few seconds on a plain thread and keep the snapshots.
 
-The standard library's urllib does the HTTP: no extra dependency, and nothing
-that gevent (which `import locust` patches in) would need to cooperate with.
+httpx does the HTTP, as everywhere in kvtune: one `httpx.Client` held for the scrape loop
+(keep-alive: one connection, not one a scrape), closed when the scraper stops. The helpers
+here (`http_client`, `http_get`) are what kvtune's other plain GETs use too.
 """
 from __future__ import annotations
 
-import http.client
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Self
+
+import httpx
 
 from .log import ScrapeLog
 from .parse import Snapshot, parse_exposition
@@ -27,43 +27,66 @@ class ScrapeError(RuntimeError):
         self.retryable = retryable
 
 
+def is_loopback(url: str) -> bool:
+    return urllib.parse.urlsplit(url).hostname in LOOPBACK
+
+
+def http_client(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Client:
+    """An httpx.Client for the server at `url`. Redirects are followed (as urllib and requests
+    did). A proxy from the environment must not carry requests to this machine's own servers:
+    for a loopback `url` the environment is not read (trust_env=False); another machine is
+    reached as the environment says (HTTP(S)_PROXY, NO_PROXY, SSL_CERT_FILE)."""
+    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=not is_loopback(url), **kwargs)
+
+
+def http_get(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Response:
+    """One GET of `url` on a client of its own (no connection kept); httpx's errors are raised."""
+    with http_client(url, timeout) as client:
+        return client.get(url, **kwargs)
+
+
 def metrics_url(url: str) -> str:
     url = url.rstrip("/")
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
-def fetch(url: str, timeout_s: float = 5.0) -> str:
-    """The exposition text at `url`, or a ScrapeError that says what went wrong where."""
-    request = urllib.request.Request(url, headers={"Accept": ACCEPT})
+def fetch(url: str, timeout_s: float = 5.0, client: httpx.Client | None = None) -> str:
+    """The exposition text at `url`, or a ScrapeError that says what went wrong where.
+
+    `client`: the connection to reuse (a Scraper's); None, a client for this one GET.
+    A URL httpx cannot send to (no http:// or https://) raises ValueError."""
+    if client is None:
+        with http_client(url, timeout_s) as own:
+            return fetch(url, timeout_s, own)
     try:
-        with _opener(url).open(request, timeout=timeout_s) as response:
-            return response.read().decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as e:
-        e.close()  # it holds the connection open
-        raise ScrapeError(f"{url} answered HTTP {e.code} {e.reason}", retryable=e.code >= 500) from e
-    except urllib.error.URLError as e:
-        raise _connect_error(url, e.reason, timeout_s) from e
-    except (OSError, http.client.HTTPException) as e:  # timeouts and resets while reading
-        raise _connect_error(url, e, timeout_s) from e
+        response = client.get(url, headers={"Accept": ACCEPT}, timeout=timeout_s)
+    except httpx.UnsupportedProtocol as e:
+        raise ValueError(f"cannot scrape {url}: {e}") from e
+    except httpx.TimeoutException as e:
+        raise ScrapeError(f"{url} did not answer within {timeout_s:g} s") from e
+    except (httpx.HTTPError, httpx.InvalidURL) as e:  # refused, reset, a broken answer
+        raise _connect_error(url, _reason(e)) from e
+    if not response.is_success:
+        raise ScrapeError(f"{url} answered HTTP {response.status_code} {response.reason_phrase}",
+                          retryable=response.status_code >= 500)
+    return response.content.decode("utf-8", errors="replace")
 
 
-def _connect_error(url: str, reason, timeout_s: float) -> ScrapeError:
+def _reason(err: BaseException):
+    """The OSError under httpx's error (ConnectionRefusedError, a DNS failure), else the error itself."""
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return err
+
+
+def _connect_error(url: str, reason) -> ScrapeError:
     if isinstance(reason, ConnectionRefusedError):
         return ScrapeError(f"connection refused by {url}: is the server running and listening there?")
-    if isinstance(reason, TimeoutError):
-        return ScrapeError(f"{url} did not answer within {timeout_s:g} s")
     return ScrapeError(f"cannot scrape {url}: {reason}")
-
-
-def _opener(url: str) -> urllib.request.OpenerDirector:
-    # A proxy from the environment must not carry requests to this machine's own servers.
-    if urllib.parse.urlsplit(url).hostname in LOOPBACK:
-        return _DIRECT
-    return _DEFAULT
-
-
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-_DEFAULT = urllib.request.build_opener()
 
 
 class Scraper:
@@ -85,6 +108,7 @@ class Scraper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._client: httpx.Client | None = None  # held from start() to stop(): one kept-alive connection
 
     def scrape_once(self) -> Snapshot:
         """One snapshot now; raises ScrapeError once the retries are spent."""
@@ -94,7 +118,7 @@ class Scraper:
                 break  # stopping: no more retries
             start = time.time()
             try:
-                text = fetch(self.url, self.timeout_s)
+                text = fetch(self.url, self.timeout_s, self._client)
             except ScrapeError as e:
                 error = e
                 if not e.retryable:
@@ -110,6 +134,7 @@ class Scraper:
     def start(self) -> Scraper:
         if self._thread is not None:
             raise RuntimeError("this Scraper was already started")
+        self._client = http_client(self.url, self.timeout_s)
         self._thread = threading.Thread(target=self._run, name="kvtune-scrape", daemon=True)
         self._thread.start()
         return self
@@ -119,8 +144,13 @@ class Scraper:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s * (self.retries + 1) + self.interval_s + 1.0)
-        if final_scrape:
-            self._record()
+        try:
+            if final_scrape:
+                self._record()
+        finally:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
         return self.log
 
     @property

@@ -8,13 +8,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-import requests
+import httpx
 
 from kvengine.config import EngineConfig
 
 from ..loadgen import run_load
 from ..results import RequestRecord, RunResult, summarize
 from ..scrape import ScrapeError, ScrapeLog, Scraper
+from ..scrape.scraper import http_get
 from ..workload import Workload, workload_stats, write_workload
 from .base import TargetRunError
 from . import hostcpu
@@ -35,32 +36,47 @@ class LiveOptions:
     watch_interval_s: float = 1.0  # how often the replay checks that the server is still there
 
 
+# What the requests library called a ConnectionError (refused, reset, no answer at all, a proxy
+# that failed), and a RequestException (any of httpx's errors, a URL it cannot send to).
+CONNECTION_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ProxyError)
+REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
+
+def raise_for_status(resp: httpx.Response) -> httpx.Response:
+    """httpx's raise_for_status, with the one-line message requests gave:
+    '503 Server Error: Service Unavailable for url: http://...'."""
+    if resp.status_code >= 400:
+        side = "Client" if resp.status_code < 500 else "Server"
+        raise httpx.HTTPStatusError(f"{resp.status_code} {side} Error: {resp.reason_phrase} for url: {resp.url}",
+                                    request=resp.request, response=resp)
+    return resp
+
+
 def served_model(url: str) -> str:
     try:
-        resp = requests.get(url + "/v1/models", timeout=10)
-        resp.raise_for_status()
+        resp = raise_for_status(http_get(url + "/v1/models", timeout=10))
         return resp.json()["data"][0]["id"]
-    except requests.ConnectionError as err:
+    except CONNECTION_ERRORS as err:
         raise TargetRunError(f"cannot connect to {url}: is a server listening there? ({err})") from None
-    except (requests.RequestException, KeyError, IndexError, ValueError) as err:
+    except (*REQUEST_ERRORS, KeyError, IndexError, ValueError) as err:
         raise TargetRunError(f"{url}/v1/models did not name a model: {err}") from None
 
 
 def served_max_model_len(url: str) -> int | None:
     """The context limit GET /v1/models gives for the served model (vLLM and kvengine do)."""
     try:
-        value = requests.get(url + "/v1/models", timeout=5).json()["data"][0].get("max_model_len")
+        value = http_get(url + "/v1/models", timeout=5).json()["data"][0].get("max_model_len")
         return int(value) if value else None
-    except (requests.RequestException, ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except (*REQUEST_ERRORS, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
 
 
 def server_version(url: str) -> str | None:
     """What GET /version says (vLLM and kvengine: {"version": "0.32.0"}); None where it says nothing."""
     try:
-        resp = requests.get(url + "/version", timeout=5)
-        return str(resp.json()["version"]) if resp.ok else None
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+        resp = http_get(url + "/version", timeout=5)
+        return str(resp.json()["version"]) if resp.status_code < 400 else None
+    except (*REQUEST_ERRORS, ValueError, KeyError, TypeError):
         return None
 
 
@@ -157,24 +173,24 @@ def server_watch(url: str, check_alive=None, refusals_dead: int = REFUSALS_DEAD)
         if check_alive is not None:
             check_alive()
         try:
-            requests.get(url + "/health", timeout=(2, 5))
+            http_get(url + "/health", timeout=httpx.Timeout(5, connect=2))
             refused = 0
-        except requests.Timeout:
+        except httpx.TimeoutException:
             pass
-        except requests.ConnectionError:
+        except CONNECTION_ERRORS:
             refused += 1
             if refused >= refusals_dead:
                 raise TargetRunError(f"the server at {url} stopped answering during the run: "
                                      f"{refused} connections to it in a row were refused") from None
-        except requests.RequestException:
+        except REQUEST_ERRORS:
             refused = 0
     return watch
 
 
 def _check_still_serving(url: str) -> None:
     try:
-        requests.get(url + "/health", timeout=10).raise_for_status()
-    except requests.RequestException as err:
+        raise_for_status(http_get(url + "/health", timeout=10))
+    except REQUEST_ERRORS as err:
         raise TargetRunError(f"the server at {url} stopped answering during the run ({err})") from None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvtune.diagnose import diagnose
-from kvtune.diagnose.watch import WatchError, history, result_from_scrape
+from kvtune.targets.watch import WatchError, history, result_from_scrape
 from kvtune.report import fmt
 from kvtune.scrape import ScrapeError, ScrapeLog, Scraper
 from kvtune.ui import charts, runs, widgets

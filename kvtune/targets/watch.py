@@ -1,4 +1,5 @@
-"""Watch a running vLLM-compatible server: scrape /metrics for a while, then read it as a RunResult.
+"""The observe-only target: watch a running vLLM-compatible server (scrape /metrics for a while,
+or read its history back from Prometheus), then read it as a RunResult.
 
 No clients of ours, so no client latencies: the rules work from the server's
 series, its histograms (TTFT, prompt and output lengths) and its
@@ -16,9 +17,9 @@ from ..gpu import GpuLog, GpuSampler
 from ..results import RunResult
 from ..scrape import ScrapeError, ScrapeLog, Scraper
 from ..scrape.prometheus_api import read_range
-from ..targets.live import config_from_cache_info, served_max_model_len, server_figures
+from ..scrape.scraper import is_loopback
+from .live import config_from_cache_info, served_max_model_len, server_figures
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 GPU_SERIES = ("gpu_utilization", "gpu_memory_used", "gpu_memory_total")
 
 
@@ -33,7 +34,7 @@ def watch(url: str, duration_s: float, interval_s: float = 1.0) -> RunResult:
         scraper.scrape_once()
     except ScrapeError as err:
         raise WatchError(f"cannot watch {url}: {err}") from None
-    gpu = GpuSampler(interval_s).start() if urllib.parse.urlsplit(url).hostname in LOOPBACK else None
+    gpu = GpuSampler(interval_s).start() if is_loopback(url) else None
     scraper.start()
     try:
         time.sleep(duration_s)
