@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .results import RequestRecord
-from .spawn import spawn
+from .stopping import spawn
 from .workload import read_workload, workload_prompt_token_ids
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -51,7 +51,9 @@ def load_plan(path: str, shard: int = 0, shards: int = 1, use_text: bool = False
 
 
 def sse_payload(line: str):
-    """One SSE line -> its JSON payload, "DONE", or None for blank/comment lines."""
+    """One SSE line of an OpenAI-style stream -> its JSON payload, "DONE" for `data: [DONE]`, or None
+    for blank, comment and other non-`data:` lines. kvtune's one parser of these lines: the locustfile's
+    replay and calibrate's probes (kvtune.calibrate.probes.stream_request) both read streams with it."""
     if not line or not line.startswith("data:"):
         return None
     data = line[5:].strip()

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.config import DTYPE_BYTES, DeviceSpec, EngineConfig, ModelSpec
+from kvengine.config import DTYPE_BYTES, DeviceSpec, EngineConfig, GiB, ModelSpec, device_preset, model_preset
 from kvengine.memory import kv_bytes_per_token, max_concurrency, plan_memory
 
 from .workload import Workload
@@ -49,6 +52,64 @@ def custom_model(layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat
     return PlannedModel(f"custom {layers}L×{kv_heads}kv×{head_dim}", layers, hidden, heads, kv_heads, head_dim,
                         intermediate, vocab_size, max_len, dtype=dtype, weights_bytes=weights_bytes)
 
+
+
+@dataclass
+class ModelChoice:
+    """The model `kvtune plan` and the UI's planner are asked about: one of a preset, a Hugging
+    Face config (a config.json or its folder), or a custom shape (layers, kv_heads, head_dim)."""
+    preset: str | None = None
+    hf_config: str | None = None
+    layers: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    heads: int | None = None
+    dtype: str = "bfloat16"
+    weights_gib: float | None = None
+
+
+def planned_model(choice: ModelChoice) -> PlannedModel:
+    custom = [choice.layers, choice.kv_heads, choice.head_dim]
+    chosen = sum(x is not None for x in (choice.preset, choice.hf_config, choice.layers))
+    if chosen > 1:
+        raise ValueError("give one model: --preset, --hf-config, or --layers/--kv-heads/--head-dim")
+    weights = None if choice.weights_gib is None else int(choice.weights_gib * GiB)
+    if any(x is not None for x in custom):
+        if None in custom:
+            raise ValueError("a custom model needs --layers, --kv-heads and --head-dim")
+        return custom_model(choice.layers, choice.kv_heads, choice.head_dim, choice.dtype, choice.heads,
+                            weights_bytes=weights)
+    spec = _hf_model(choice.hf_config) if choice.hf_config else model_preset(choice.preset or "llama-3-8b")
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return PlannedModel(**fields, weights_bytes=weights)
+
+
+def _hf_model(path: str) -> ModelSpec:
+    from kvengine.hf import CheckpointError, model_spec_from_hf  # imports torch: only when asked
+
+    if not os.path.exists(path):
+        raise ValueError(f"--hf-config {path}: no such file or folder")
+    try:
+        if os.path.isdir(path) or os.path.basename(path) == "config.json":
+            folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+            return model_spec_from_hf(folder)
+        with tempfile.TemporaryDirectory() as tmp:  # the reader wants a folder with a config.json
+            shutil.copy(path, os.path.join(tmp, "config.json"))
+            return model_spec_from_hf(tmp, name=os.path.basename(path))
+    except (CheckpointError, KeyError) as err:
+        raise ValueError(f"--hf-config {path}: {err}") from None
+
+
+def planned_device(name: str | None, memory_bytes: int | None) -> DeviceSpec:
+    """A device preset (default h100-80gb), its memory replaced by `memory_bytes` when given."""
+    if name is None and memory_bytes is not None:
+        base = device_preset("h100-80gb")  # its overhead estimate; the memory is the user's
+        return dataclasses.replace(base, name=f"{memory_bytes / GiB:g} GiB device", memory_bytes=memory_bytes)
+    device = device_preset(name or "h100-80gb")
+    if memory_bytes is not None:
+        device = dataclasses.replace(device, name=f"{device.name} ({memory_bytes / GiB:g} GiB)",
+                                     memory_bytes=memory_bytes)
+    return device
 
 @dataclass(frozen=True)
 class ServerPool:

@@ -1,6 +1,7 @@
-"""Start a child process with no window in which a signal can orphan it.
+"""kvtune's stop signals: the exception each raises, what a run records of it, and children
+started with no window in which a signal can orphan them.
 
-kvtune's stop signals (Ctrl-C, SIGTERM, SIGHUP) raise in the main thread. One that
+The stop signals (Ctrl-C, SIGTERM, SIGHUP) raise in the main thread. One that
 lands inside subprocess.Popen after the child exists, but before Popen returns,
 unwinds without the handle: nothing can stop that child any more. `spawn` holds
 those signals for the few milliseconds of the start and handles them once the
@@ -34,3 +35,36 @@ def spawn(command: list[str], keep: Callable[[subprocess.Popen], None], **popen_
         if held:  # now the handler's exception unwinds through a caller that holds the child
             signal.raise_signal(held[0])
     return proc
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP (its number is args[0]): unwind, so every server and load generator
+    kvtune started is stopped. Not an Exception, so no `except Exception` swallows it."""
+
+
+def interruption(err: BaseException | None) -> str | None:
+    """The signal that interrupted kvtune ("SIGTERM", "SIGINT"), or None when `err` is none.
+
+    An error raised while the signal unwound counts too: a library's cleanup that failed on
+    the way (Optuna's, cut short mid-`tell`, raises UnboundLocalError) hides the signal."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return "SIGINT"
+        if isinstance(err, Terminated) and err.args:
+            return signal.Signals(err.args[0]).name
+        seen.add(id(err))
+        err = err.__context__
+    return None
+
+
+def failure_reason(err: BaseException) -> str:
+    """What a run or trial records when `err` ended it: 'interrupted by SIGTERM', or the error."""
+    signal_name = interruption(err)
+    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
+
+
+def signal_number(err: BaseException) -> int | None:
+    """The number of the signal `interruption` finds in `err`."""
+    name = interruption(err)
+    return None if name is None else int(signal.Signals[name])

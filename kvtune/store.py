@@ -65,9 +65,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from sqlalchemy.types import DateTime
 
 from .results import RequestRecord, RunResult
+from .dburl import DB_ENV, DEFAULT_DB_URL  # noqa: F401 - part of the store's face
 
-DEFAULT_DB_URL = "sqlite:///kvtune.db"
-DB_ENV = "KVTUNE_DB"
 RUN_STATUSES = ("ok", "failed", "running")  # a run a signal stopped is 'failed', "interrupted by SIGTERM"
 TRIAL_STAGES = ("sim", "live")
 DETAILS = ("full", "summary")
@@ -109,13 +108,6 @@ def mask_url(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError):
         return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
-def add_db_argument(parser) -> None:
-    """`--db URL` on an argparse parser; pass its value to `resolve_db_url`."""
-    parser.add_argument("--db", metavar="URL", default=None,
-                        help=f"database URL (default: ${DB_ENV}, else {DEFAULT_DB_URL} in the working "
-                             "directory); e.g. sqlite:///runs.db, postgresql://user:pass@host:5432/kvtune")
 
 
 def _parse_url(raw: str) -> URL:

@@ -15,11 +15,11 @@ from kvengine.cost import CostCoefficients, torch_attention_kernel
 from kvengine.engine import LLMEngine
 from kvengine.request import SamplingParams
 
+from kvtune.cli.calibrate import add_calibrate_command
 from kvtune.calibrate import (
     CalibrationError,
     CalibrationProfile,
     ProfileNotFoundError,
-    add_calibrate_command,
     design_probes,
     fit_coefficients,
     format_profile,

@@ -11,7 +11,7 @@ from serverproc import ServerProcess, free_port, scrape
 from test_diagnose import failed_start, healthy_run, preemption_run
 
 from kvengine.config import EngineConfig
-from kvtune.diagnose.cli import add_diagnose_command
+from kvtune.cli.diagnose import add_diagnose_command
 from kvtune.store import Store
 
 
@@ -163,7 +163,7 @@ def test_kvtune_main_runs_diagnose_once_wired(db, capsys):
 
 
 def test_nvml_samples_line_up_with_the_scrapes():
-    from kvtune.diagnose.watch import gpu_series_at_scrapes
+    from kvtune.targets.watch import gpu_series_at_scrapes
     from kvtune.gpu import GpuLog, GpuSample
     from kvtune.scrape import ScrapeLog, Snapshot
 

@@ -14,7 +14,7 @@ from kvtune.plan import (
     plan_server_pool,
     workload_contexts,
 )
-from kvtune.plan_cli import add_plan_command
+from kvtune.cli.plan import add_plan_command
 from kvtune.workload import TraceRequest, Workload, write_workload
 
 KiB = 1 << 10

@@ -14,7 +14,8 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 from kvengine.flags import add_engine_flags, add_model_flags, config_from_args
 
 from kvtune.plan import plan_capacity
-from kvtune.report import ReportError, add_report_command, write_report
+from kvtune.cli.report import add_report_command
+from kvtune.report import ReportError, write_report
 from kvtune.report.capacity import capacity_for
 from kvtune.report.data import RunView, load_report_data
 from kvtune.report.launch import engine_config

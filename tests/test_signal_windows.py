@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from kvtune.spawn import spawn
+from kvtune.stopping import spawn
 
 
 def _raise_interrupt(_signum, _frame):
@@ -53,7 +53,7 @@ DROPPED_IN_A_DESTRUCTOR = textwrap.dedent("""
         print("ran to the end")
         return 0
 
-    def parser():
+    def parser(only=None):
         p = argparse.ArgumentParser(prog="kvtune")
         p.add_subparsers().add_parser("job").set_defaults(func=job)
         return p

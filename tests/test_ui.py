@@ -32,7 +32,7 @@ from kvtune.search.stage2 import Candidate, default_params, run_stage2
 from kvtune.store import Store
 from kvtune.targets import LiveOptions, SimTarget, UrlTarget
 from kvtune.ui import charts
-from kvtune.ui.cli import add_ui_command, streamlit_command
+from kvtune.cli.ui import add_ui_command, streamlit_command
 from kvtune.ui.planner import parse_contexts
 from kvtune.ui.search import pareto_front
 from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload

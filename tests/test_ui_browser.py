@@ -50,7 +50,7 @@ def ui_command(db: str, port: int) -> list[str]:
     """`python -m kvtune ui` once kvtune's CLI has the command; until then the module on its own."""
     from kvtune.cli import build_parser
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    module = ["kvtune", "ui"] if "ui" in sub.choices else ["kvtune.ui.cli"]
+    module = ["kvtune", "ui"] if "ui" in sub.choices else ["kvtune.cli.ui"]
     return [sys.executable, "-m", *module, "--db", db, "--port", str(port)]
 
 

@@ -18,7 +18,7 @@ from kvtune.diagnose.facts import gather
 from kvtune.diagnose.report import pool_overview
 from kvtune.report import fmt
 from kvtune.results import RunResult, bound_text, quantile_bound
-from kvtune.run_cmd import format_summary
+from kvtune.cli.run import format_summary
 from kvtune.scrape import Histogram, ScrapeLog, bounded_quantile, parse_exposition
 from kvtune.targets.live import CLIENT_SLACK_S, bucket_around, disagreements, server_figures
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtune.workload import add_trace_commands, read_workload
+from kvtune.cli.trace import add_trace_commands
+from kvtune.workload import read_workload
 
 from tracepaths import AZURE_CODE
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens

@@ -3,33 +3,18 @@
     profile = calibrate_url("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny")
     save_profile(None, profile)                     # the default store (--db / $KVTUNE_DB)
     coeffs = load_cost_profile(None, "cpu-tiny")    # -> CostCoefficients for SimTarget
-"""
-from .cli import add_calibrate_command, calibrate_target, calibrate_url, format_profile
-from .fit import FitResult, Observation, fit_coefficients, step_shapes
-from .probes import (
-                     CalibrationError,
-                     Probe,
-                     ProbeOptions,
-                     ProbePlan,
-                     ProbeRun,
-                     ServerInfo,
-                     design_probes,
-                     run_probes,
-                     server_info,
-                     speed_drift,
-)
-from .profile import (
-                     CalibrationProfile,
-                     ProfileNotFoundError,
-                     get_profile,
-                     list_profiles,
-                     load_cost_profile,
-                     save_profile,
-)
 
-__all__ = [
-    "CalibrationError", "CalibrationProfile", "FitResult", "Observation", "Probe", "ProbeOptions", "ProbePlan",
-    "ProbeRun", "ProfileNotFoundError", "ServerInfo", "add_calibrate_command", "calibrate_target",
-    "calibrate_url", "design_probes", "fit_coefficients", "format_profile", "get_profile", "list_profiles",
-    "load_cost_profile", "run_probes", "save_profile", "server_info", "speed_drift", "step_shapes",
-]
+`kvtune calibrate` is in kvtune/cli/calibrate.py.
+"""
+from ..lazy import exports_of, lazy_face
+
+EXPORTS = exports_of({
+    ".session": ("calibrate_target", "calibrate_url", "format_profile"),
+    ".fit": ("FitResult", "Observation", "fit_coefficients", "step_shapes"),
+    ".probes": ("CalibrationError", "Probe", "ProbeOptions", "ProbePlan", "ProbeRun", "ServerInfo",
+                "design_probes", "run_probes", "server_info", "speed_drift"),
+    ".profile": ("CalibrationProfile", "ProfileNotFoundError", "get_profile", "list_profiles",
+                 "load_cost_profile", "save_profile"),
+})
+__getattr__, __dir__ = lazy_face(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

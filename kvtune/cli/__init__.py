@@ -11,38 +11,27 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before anything imports torch
 
-from kvengine.config import ConfigError  # noqa: E402
+import importlib  # noqa: E402
 
-from .calibrate import add_calibrate_command  # noqa: E402
-from .diagnose import add_diagnose_command  # noqa: E402
-from .plan_cli import add_plan_command  # noqa: E402
-from .report import ReportError, add_report_command  # noqa: E402
-from .run_cmd import add_run_command  # noqa: E402
-from .search.cli import add_search_command  # noqa: E402
-from .search.space import SpaceError  # noqa: E402
-from .search.study import StudyError  # noqa: E402
-from .store import StoreError  # noqa: E402
-from .targets.process import Terminated, signal_number  # noqa: E402
-from .ui.cli import add_ui_command  # noqa: E402
-from .workload import TraceError, add_trace_commands  # noqa: E402
+from ..stopping import STOP_SIGNALS, Terminated, signal_number  # noqa: E402
+from .commands import COMMANDS  # noqa: E402
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """kvtune's parser: with `only`, that command's in full and the others by name and help line
+    (their modules not imported); without it, every command's in full."""
     parser = argparse.ArgumentParser(
         prog="kvtune", description="Measure, explain and tune the KV cache of vLLM-style servers.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_trace_commands(sub)
-    add_run_command(sub)
-    add_search_command(sub)
-    add_report_command(sub)
-    add_diagnose_command(sub)
-    add_plan_command(sub)
-    add_ui_command(sub)
-    add_calibrate_command(sub)
+    for name, command in COMMANDS.items():
+        if only is None or name == only:
+            getattr(importlib.import_module(f".{command.module}", __name__), command.adder)(sub)
+        else:
+            sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+SIGNALS = STOP_SIGNALS
 STOPPED = "the servers it started are stopped"
 
 
@@ -79,7 +68,8 @@ def _deliver_again(signum: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(only=argv[0] if argv and argv[0] in COMMANDS else "").parse_args(argv)
     previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     _Stop.signum, _Stop.redeliver = None, False
@@ -91,7 +81,16 @@ def main(argv=None) -> int:
         sys.unraisablehook = previous_hook
 
 
-ERRORS = (ConfigError, TraceError, StoreError, SpaceError, StudyError, ReportError)
+# The errors a command reports as `error: message` (exit 2): (module, class). A module that was
+# never imported raised none, so none is imported to check.
+ERRORS = (("kvengine.config", "ConfigError"), ("kvtune.workload.errors", "TraceError"),
+          ("kvtune.store", "StoreError"), ("kvtune.search.space", "SpaceError"),
+          ("kvtune.search.study", "StudyError"), ("kvtune.report.data", "ReportError"))
+
+
+def _reported(err: BaseException) -> bool:
+    return any(isinstance(err, getattr(sys.modules[module], name))
+               for module, name in ERRORS if module in sys.modules)
 
 
 def _run(args) -> int:
@@ -101,7 +100,7 @@ def _run(args) -> int:
         signum = signal_number(err)  # first: an error raised while a signal unwound is the signal's
         if signum is not None:
             return _stopped(signum)
-        if isinstance(err, ERRORS):
+        if _reported(err):
             print(f"error: {err}", file=sys.stderr)
             return 2
         if isinstance(err, OSError):

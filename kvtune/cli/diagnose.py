@@ -8,21 +8,23 @@ import math
 import os
 import sys
 
+from .commands import COMMANDS
+from .args import add_db_argument
 from ..calibrate.profile import get_profile
 from ..results import RunResult
 from ..workload import FORMATS, read_workload, workload_stats
-from ..store import Store, StoreError, add_db_argument, resolve_db_url
-from .facts import gather
-from .model import Diagnosis, Thresholds
-from .report import format_diagnoses, pool_overview, run_title
-from .signals import Series
-from .trial import Simulator, diagnosed, simulator_for
-from .watch import WatchError, history, result_from_scrape, watch
+from ..store import Store, StoreError, resolve_db_url
+from ..diagnose.facts import gather
+from ..diagnose.model import Diagnosis, Thresholds
+from ..diagnose.report import format_diagnoses, pool_overview, run_title
+from ..diagnose.signals import Series
+from ..diagnose.trial import Simulator, diagnosed, simulator_for
+from ..targets.watch import WatchError, history, result_from_scrape, watch
 
 
 def add_diagnose_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "diagnose", help="find the fault card's KV-cache faults in a run or on a live server",
+        "diagnose", help=COMMANDS["diagnose"].help,
         description="Run the fault rules (F1–F8 of the fault card) over a stored run, or over a live "
                     "server's /metrics watched for a while, and print each fault with its evidence and fix. "
                     "Exits 0 whether or not faults are found, 2 on bad input.")

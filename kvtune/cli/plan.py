@@ -1,29 +1,25 @@
 """`kvtune plan`: KV capacity for a preset or custom model on a preset or custom device."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import shutil
 import sys
-import tempfile
 
-from kvengine.config import (DEVICE_PRESETS, DTYPE_BYTES, MODEL_PRESETS, ConfigError, EngineConfig, GiB,
-                             ModelSpec, device_preset, model_preset)
+from kvengine.config import (DEVICE_PRESETS, DTYPE_BYTES, MODEL_PRESETS, ConfigError, EngineConfig, GiB)
 from kvengine.flags import parse_size
 from kvengine.memory import KVCacheMemoryError
 
-from .plan import CapacityPlan, PlannedModel, custom_model, plan_capacity, workload_contexts
-from .workload import FORMATS, TraceError, read_workload
-from .workload.cli import positive_int
+from .commands import COMMANDS
+from ..plan import CapacityPlan, ModelChoice, plan_capacity, planned_device, planned_model, workload_contexts
+from ..workload import FORMATS, TraceError, read_workload
+from .args import non_negative_float, positive_float, positive_int
 
 KiB = 1 << 10
 
 
 def add_plan_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="KV-cache capacity: bytes per token, pool, tokens that fit, max concurrency",
+        "plan", help=COMMANDS["plan"].help,
         description="Capacity planning from the fault card's formulas (kvengine.memory): KV bytes per token, "
                     "the KV pool at a gpu_memory_utilization, the tokens that fit and the requests that fit at "
                     "given context lengths, with fp8 K/V side by side and a contiguous worst-case reservation "
@@ -37,14 +33,14 @@ def add_plan_command(subparsers) -> None:
     m.add_argument("--heads", type=positive_int, help="custom model: query heads (default: --kv-heads)")
     m.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="bfloat16",
                    help="custom model: weights and `auto` K/V dtype (default: %(default)s)")
-    m.add_argument("--weights-gib", type=_positive_float, metavar="GIB",
+    m.add_argument("--weights-gib", type=positive_float, metavar="GIB",
                    help="weights size (default: counted from the shape)")
     d = p.add_argument_group("device")
     d.add_argument("--device", metavar="DEVICE", help=f"{', '.join(DEVICE_PRESETS)} (default: h100-80gb)")
     d.add_argument("--device-memory", type=parse_size, metavar="SIZE", help="device memory, e.g. 80GiB")
     e = p.add_argument_group("engine")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="(default: %(default)s)")
-    e.add_argument("--reserve-gib", type=_non_negative_float, metavar="GIB",
+    e.add_argument("--reserve-gib", type=non_negative_float, metavar="GIB",
                    help="set aside this much instead of the activation peak and overhead estimates")
     e.add_argument("--block-size", type=int, default=16, help="(default: %(default)s)")
     e.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), fp8, ... (default: auto)")
@@ -61,26 +57,11 @@ def add_plan_command(subparsers) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _positive_float(text: str) -> float:
-    value = _non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
-
-
 def cmd_plan(args) -> int:
     try:
-        model, device = build_model(args), build_device(args)
+        model = planned_model(ModelChoice(args.preset, args.hf_config, args.layers, args.kv_heads, args.head_dim,
+                                          args.heads, args.dtype, args.weights_gib))
+        device = planned_device(args.device, args.device_memory)
         contexts, from_workload = _contexts(args)
         config = _config(args, contexts)
         contexts = contexts or [config.resolve(model, device).max_model_len]
@@ -99,50 +80,6 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(plan_json(plan)))
     return 0
-
-
-def build_model(args) -> ModelSpec:
-    custom = [args.layers, args.kv_heads, args.head_dim]
-    chosen = sum(x is not None for x in (args.preset, args.hf_config, args.layers))
-    if chosen > 1:
-        raise ValueError("give one model: --preset, --hf-config, or --layers/--kv-heads/--head-dim")
-    weights = None if args.weights_gib is None else int(args.weights_gib * GiB)
-    if any(x is not None for x in custom):
-        if None in custom:
-            raise ValueError("a custom model needs --layers, --kv-heads and --head-dim")
-        return custom_model(args.layers, args.kv_heads, args.head_dim, args.dtype, args.heads,
-                            weights_bytes=weights)
-    spec = _hf_model(args.hf_config) if args.hf_config else model_preset(args.preset or "llama-3-8b")
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    return PlannedModel(**fields, weights_bytes=weights)
-
-
-def _hf_model(path: str) -> ModelSpec:
-    from kvengine.hf import CheckpointError, model_spec_from_hf  # imports torch: only when asked
-
-    if not os.path.exists(path):
-        raise ValueError(f"--hf-config {path}: no such file or folder")
-    try:
-        if os.path.isdir(path) or os.path.basename(path) == "config.json":
-            folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-            return model_spec_from_hf(folder)
-        with tempfile.TemporaryDirectory() as tmp:  # the reader wants a folder with a config.json
-            shutil.copy(path, os.path.join(tmp, "config.json"))
-            return model_spec_from_hf(tmp, name=os.path.basename(path))
-    except (CheckpointError, KeyError) as err:
-        raise ValueError(f"--hf-config {path}: {err}") from None
-
-
-def build_device(args):
-    if args.device is None and args.device_memory is not None:
-        base = device_preset("h100-80gb")  # its overhead estimate; the memory is the user's
-        return dataclasses.replace(base, name=f"{args.device_memory / GiB:g} GiB device",
-                                   memory_bytes=args.device_memory)
-    device = device_preset(args.device or "h100-80gb")
-    if args.device_memory is not None:
-        device = dataclasses.replace(device, name=f"{device.name} ({args.device_memory / GiB:g} GiB)",
-                                     memory_bytes=args.device_memory)
-    return device
 
 
 def _contexts(args) -> tuple[list[int], dict[str, int]]:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import sys
 
-from ..store import StoreError, add_db_argument, resolve_db_url
+from .commands import COMMANDS
+from .args import add_db_argument
 
 
 def add_report_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "report", help="write a study's tuning report (Markdown + self-contained HTML)",
+        "report", help=COMMANDS["report"].help,
         description="Write the report of a `kvtune search` study: the recommended config and its launch "
                     "commands, stage 1 vs stage 2, the search's figures, the KV cache over time, diagnoses, "
                     "the capacity plan and every trial. Exits 2 for an unknown or empty study.")
@@ -19,8 +20,9 @@ def add_report_command(subparsers) -> None:
 
 
 def cmd_report(args) -> int:
-    from .data import ReportError
-    from .writer import write_report
+    from ..report.data import ReportError
+    from ..report.writer import write_report
+    from ..store import StoreError, resolve_db_url
 
     try:
         md, html = write_report(resolve_db_url(args.db), args.study, args.out or f"reports/{args.study}")

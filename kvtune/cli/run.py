@@ -7,17 +7,19 @@ import sys
 from kvengine.config import device_preset, model_preset
 from kvengine.flags import add_engine_flags, config_from_args, parse_size
 
-from .calibrate import get_profile
-from .diagnose import Thresholds
-from .diagnose.trial import Simulator, diagnosed, simulator_for
-from .results import RunResult
-from .store import Store, add_db_argument, resolve_db_url
-from .targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
-from .targets.build import add_server_flags, live_target
-from .targets.process import failure_reason
-from .targets.sim import config_dict
-from .workload import FORMATS, head, rate_scale, read_workload
-from .workload.cli import name_or_url, positive_float, positive_int
+from .commands import COMMANDS
+from .args import add_db_argument
+from ..calibrate import get_profile
+from ..diagnose import Thresholds
+from ..diagnose.trial import Simulator, diagnosed, simulator_for
+from ..results import RunResult
+from ..store import Store, resolve_db_url
+from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
+from .target import add_server_flags, live_target
+from ..stopping import failure_reason
+from ..targets.sim import config_dict
+from ..workload import FORMATS, head, rate_scale, read_workload
+from .args import name_or_url, positive_float, positive_int
 
 TARGETS = ("sim", "engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
@@ -26,7 +28,7 @@ DEFAULT_SPECS = {"sim": ("llama-3-8b", "h100-80gb"), "engine:torch": ("tiny", "c
 
 
 def add_run_command(sub) -> None:
-    p = sub.add_parser("run", help="replay a workload on a target and summarise it",
+    p = sub.add_parser("run", help=COMMANDS["run"].help,
                        description="Replay a workload on a target with one engine config, store the run "
                                    "and print its summary: client-side and server-side figures side by side.")
     p.add_argument("--target", type=name_or_url(TARGETS), default="sim", metavar="TARGET",
@@ -141,7 +143,7 @@ def _workload(args):
 
 
 def format_summary(result: RunResult) -> str:
-    from .results import bound_text, quantile_bound
+    from ..results import bound_text, quantile_bound
     s = result.summary
 
     def ms(key):  # a server quantile in the first or the +Inf bucket is only a bound: "< 300 ms"

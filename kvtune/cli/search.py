@@ -9,28 +9,30 @@ from sqlalchemy.exc import DBAPIError
 
 from kvengine.config import EngineConfig, device_preset, model_preset
 
+from .commands import COMMANDS
+from .args import add_db_argument
 from ..calibrate import get_profile
 from ..environment import host_environment
-from ..store import Store, StoreError, add_db_argument, resolve_db_url
+from ..store import Store, StoreError, resolve_db_url
 from ..diagnose.trial import Simulator, diagnosed
 from ..targets import SimTarget
-from ..targets.build import add_server_flags, live_target
+from .target import add_server_flags, live_target
 from ..workload import FORMATS, head, read_workload
-from ..workload.cli import positive_float, positive_int
-from .objective import OBJECTIVES, Objective
-from .slo import diagnosis_thresholds, parse_slo
-from .space import SearchSpace, load_space
+from .args import positive_float, positive_int
+from ..search.objective import OBJECTIVES, Objective
+from ..search.slo import diagnosis_thresholds, parse_slo
+from ..search.space import SearchSpace, load_space
 from ..targets import TargetRunError, TargetStartError
-from .ranking import describe
-from .stage2 import DEFAULT_NUMBER, Candidate, LivePlan, default_params, representable, run_stage2
-from .study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
+from ..search.ranking import describe
+from ..search.stage2 import DEFAULT_NUMBER, Candidate, LivePlan, default_params, representable, run_stage2
+from ..search.study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
 
 LIVE_TARGETS = ("engine", "vllm", "sglang", "none")
 
 
 def add_search_command(sub) -> None:
     p = sub.add_parser(
-        "search", help="find the KV-cache config that serves a workload best within its SLOs",
+        "search", help=COMMANDS["search"].help,
         description="Search block_size, gpu_memory_utilization, max_num_seqs and kv_cache_dtype (and "
                     "optionally max_num_batched_tokens, enable_prefix_caching) with Optuna: stage 1 on the "
                     "sim target, stage 2 re-runs the top configs and vLLM's default on a live target. Ends "

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from .live import LiveOptions
-from .servers import VLLM_COMMAND_ENV, EngineTarget, SglangTarget, UrlTarget, VllmTarget
+from ..targets.live import LiveOptions
+from ..targets.servers import VLLM_COMMAND_ENV, EngineTarget, SglangTarget, UrlTarget, VllmTarget
 
 
 def env_entry(text: str) -> tuple[str, str]:
@@ -21,7 +21,7 @@ def env_entry(text: str) -> tuple[str, str]:
 
 def add_server_flags(p, users_default: int = 256) -> None:
     """The flags of a server kvtune starts (engine, vllm, sglang) and of the live replay."""
-    from ..workload.cli import positive_float, positive_int  # argparse types
+    from .args import positive_float, positive_int  # argparse types
 
     g = p.add_argument_group("servers kvtune starts")
     g.add_argument("--model", metavar="MODEL", help="vllm/sglang: the model to serve; engine: a local "

@@ -14,15 +14,17 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from .detect import FORMATS
-from .dist import parse_dist
-from .errors import TraceError
-from .model import Workload
-from .readers import read_workload
-from .stats import workload_stats
-from .synth import ARRIVALS, SynthSpec, synthesize
-from .transforms import head, length_scale, rate_scale, retime, sample, time_scale
-from .writers import write_workload
+from .commands import COMMANDS
+from .args import checked, non_negative_float, non_negative_int, positive_float, positive_int
+from ..workload.detect import FORMATS
+from ..workload.dist import parse_dist
+from ..workload.errors import TraceError
+from ..workload.model import Workload
+from ..workload.readers import read_workload
+from ..workload.stats import workload_stats
+from ..workload.synth import ARRIVALS, SynthSpec, synthesize
+from ..workload.transforms import head, length_scale, rate_scale, retime, sample, time_scale
+from ..workload.writers import write_workload
 
 FORMAT_HELP = ("trace format; default: told from the content. kvtune and mooncake: JSONL with "
                "timestamp (ms), input_length, output_length[, hash_ids]; azure: CSV "
@@ -62,7 +64,7 @@ examples:
 def add_trace_commands(subparsers) -> argparse.ArgumentParser:
     """Add `trace` (with stats, convert, synth) to an argparse subparsers object."""
     trace = subparsers.add_parser(
-        "trace", help="inspect, convert and synthesize workload traces",
+        "trace", help=COMMANDS["trace"].help,
         description="Inspect, convert and synthesize workload traces.")
     trace.set_defaults(func=lambda args: _usage(trace))
     commands = trace.add_subparsers(dest="trace_command", metavar="{stats,convert,synth}")
@@ -289,47 +291,13 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def name_or_url(names: tuple[str, ...]):
-    """An argparse type: one of `names`, or a server URL (http://host:port)."""
-    def parse(text: str) -> str:
-        if text in names or text.startswith(("http://", "https://")):
-            return text
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(names)} or a server URL "
-                                         f"(http://host:port), got {text!r}")
-    return parse
-
-
-def positive_int(text: str) -> int:
-    return _checked(int, text, lambda v: v >= 1, "an integer >= 1")
-
-
-def non_negative_int(text: str) -> int:
-    return _checked(int, text, lambda v: v >= 0, "an integer >= 0")
-
-
-def positive_float(text: str) -> float:
-    return _checked(float, text, lambda v: v > 0, "a number > 0")
-
-
-def non_negative_float(text: str) -> float:
-    return _checked(float, text, lambda v: v >= 0, "a number >= 0")
-
-
 def _count_or_fraction(text: str) -> int | float:
     if any(c in text for c in ".eE"):
-        return _checked(float, text, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
+        return checked(float, text, lambda v: 0 < v <= 1, "a fraction in (0, 1]")
     return non_negative_int(text)
 
 
 def _shares(text: str) -> tuple[float, ...]:
-    return tuple(_checked(float, part, lambda v: v >= 0, "shares >= 0") for part in text.split(","))
+    return tuple(checked(float, part, lambda v: v >= 0, "shares >= 0") for part in text.split(","))
 
 
-def _checked(kind: type, text: str, ok: Callable, expected: str):
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value

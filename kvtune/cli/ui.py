@@ -12,16 +12,18 @@ import socket
 import sys
 from pathlib import Path
 
-from ..store import DB_ENV, StoreError, add_db_argument, mask_url, resolve_db_url
+from .commands import COMMANDS
+from .args import add_db_argument
+from ..dburl import DB_ENV
 
-APP = Path(__file__).with_name("app.py")
+APP = Path(__file__).resolve().parent.parent / "ui" / "app.py"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8501
 
 
 def add_ui_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "ui", help="the web UI: runs, searches, diagnoses, capacity planner and live view",
+        "ui", help=COMMANDS["ui"].help,
         description="Start the Streamlit app on 127.0.0.1 and print its address. It reads the database "
                     "only; it never starts engines or searches (the Live page scrapes the URL you give it).")
     add_arguments(p)
@@ -61,6 +63,8 @@ def port_free(port: int, host: str = DEFAULT_HOST) -> bool:
 
 
 def cmd_ui(args) -> int:
+    from ..store import mask_url, resolve_db_url
+
     db_url = resolve_db_url(args.db)
     if not port_free(args.port, args.host):
         print(f"error: port {args.port} on {args.host} is in use: pass --port N", file=sys.stderr)
@@ -74,10 +78,12 @@ def cmd_ui(args) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m kvtune.ui.cli`: the same command on its own."""
+    """`python -m kvtune.cli.ui`: the same command on its own."""
     parser = argparse.ArgumentParser(prog="kvtune ui", description="Start the kvtune web UI.")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    from ..store import StoreError
+
     try:
         return cmd_ui(args)
     except StoreError as err:

@@ -1,11 +1,13 @@
-"""Fault diagnosis: the fault card's rules (F1–F8) over a run's series, client latencies and workload profile.
+"""Fault diagnosis: the fault card"s rules (F1–F8) over a run"s series, client latencies and workload profile.
 
 `diagnose(result)` -> [Diagnosis], worst first; `diagnose(result, error=...)`
-for a failed run. `add_diagnose_command(subparsers)` wires `kvtune diagnose`.
+for a failed run. `kvtune diagnose` is in kvtune/cli/diagnose.py.
 """
-from .model import INSUFFICIENT_DATA, SEVERITIES, Diagnosis, Evidence, FlagChange, Thresholds
-from .run import RULES, diagnose
-from .cli import add_diagnose_command
+from ..lazy import exports_of, lazy_face
 
-__all__ = ["INSUFFICIENT_DATA", "RULES", "SEVERITIES", "Diagnosis", "Evidence", "FlagChange", "Thresholds",
-           "add_diagnose_command", "diagnose"]
+EXPORTS = exports_of({
+    ".model": ("INSUFFICIENT_DATA", "SEVERITIES", "Diagnosis", "Evidence", "FlagChange", "Thresholds"),
+    ".run": ("RULES", "diagnose"),
+})
+__getattr__, __dir__ = lazy_face(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

@@ -1,10 +1,13 @@
 """The tuning report: Markdown (with PNG figures beside it) and one self-contained HTML file.
 
-`write_report(db_url, study, out_dir) -> (report.md, report.html)`;
-`add_report_command(subparsers)` wires `kvtune report STUDY`.
+`write_report(db_url, study, out_dir) -> (report.md, report.html)`; `kvtune report`
+is in kvtune/cli/report.py.
 """
-from .cli import add_report_command
-from .data import ReportError
-from .writer import write_report
+from ..lazy import exports_of, lazy_face
 
-__all__ = ["ReportError", "add_report_command", "write_report"]
+EXPORTS = exports_of({
+    ".data": ("ReportError",),
+    ".writer": ("write_report",),
+})
+__getattr__, __dir__ = lazy_face(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

@@ -29,7 +29,7 @@ from kvengine.config import EngineConfig
 
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
-from ..targets.process import failure_reason, interruption
+from ..stopping import failure_reason, interruption
 from ..workload import rate_scale
 from .objective import Objective
 from .slo import SLO, study_slos_from_attrs

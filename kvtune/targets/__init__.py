@@ -4,10 +4,13 @@ sim: the engine core in virtual time. The live targets start a server (the
 bundled engine, vLLM, SGLang) or watch a running one, replay the workload with
 Locust and scrape its /metrics.
 """
-from .base import Target, TargetRunError, TargetStartError
-from .live import LiveOptions
-from .servers import EngineTarget, SglangTarget, UrlTarget, VllmTarget
-from .sim import SimTarget
+from ..lazy import exports_of, lazy_face
 
-__all__ = ["EngineTarget", "LiveOptions", "SglangTarget", "SimTarget", "Target", "TargetRunError",
-           "TargetStartError", "UrlTarget", "VllmTarget"]
+EXPORTS = exports_of({
+    ".base": ("Target", "TargetRunError", "TargetStartError"),
+    ".live": ("LiveOptions",),
+    ".servers": ("EngineTarget", "SglangTarget", "UrlTarget", "VllmTarget"),
+    ".sim": ("SimTarget",),
+})
+__getattr__, __dir__ = lazy_face(__name__, EXPORTS)
+__all__ = sorted(EXPORTS)

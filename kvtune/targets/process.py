@@ -13,46 +13,14 @@ import subprocess
 import tempfile
 import time
 
-import requests
+import httpx
 
-from ..spawn import spawn
+from ..scrape.scraper import http_get
+from ..stopping import spawn
 from .base import TargetRunError, TargetStartError
 from .startlog import log_tail, read_log, root_cause
 
 START_TAIL_LINES = 10  # log lines a start error quotes after its root cause
-
-
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP (its number is args[0]): unwind, so every server and load generator
-    kvtune started is stopped. Not an Exception, so no `except Exception` swallows it."""
-
-
-def interruption(err: BaseException | None) -> str | None:
-    """The signal that interrupted kvtune ("SIGTERM", "SIGINT"), or None when `err` is none.
-
-    An error raised while the signal unwound counts too: a library's cleanup that failed on
-    the way (Optuna's, cut short mid-`tell`, raises UnboundLocalError) hides the signal."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            return "SIGINT"
-        if isinstance(err, Terminated) and err.args:
-            return signal.Signals(err.args[0]).name
-        seen.add(id(err))
-        err = err.__context__
-    return None
-
-
-def failure_reason(err: BaseException) -> str:
-    """What a run or trial records when `err` ended it: 'interrupted by SIGTERM', or the error."""
-    signal_name = interruption(err)
-    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
-
-
-def signal_number(err: BaseException) -> int | None:
-    """The number of the signal `interruption` finds in `err`."""
-    name = interruption(err)
-    return None if name is None else int(signal.Signals[name])
 
 
 def free_port() -> int:
@@ -122,9 +90,9 @@ class ManagedServer:
                 raise self.start_error(f"the server exited with status {self.proc.returncode} before it "
                                        "was healthy")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if http_get(self.url + "/health", timeout=2).status_code == 200:
                     return
-            except requests.RequestException:
+            except (httpx.HTTPError, httpx.InvalidURL):
                 pass
             time.sleep(0.2)
         self.stop()

@@ -1,12 +1,11 @@
 """Planner page: what fits in the KV cache of a model on a device, against a contiguous reservation.
 
 The same computation as `kvtune plan` (kvtune.plan over kvengine.memory), with
-the command's own model and device builders, so both always agree.
+the command's own model and device builders (kvtune.plan's), so both always agree.
 """
 from __future__ import annotations
 
 import re
-from types import SimpleNamespace
 
 import pandas as pd
 import streamlit as st
@@ -16,13 +15,13 @@ from kvengine.config import (
     KV_CACHE_DTYPES,
     MODEL_PRESETS,
     ConfigError,
+    DeviceSpec,
     EngineConfig,
     GiB,
 )
 from kvengine.memory import KVCacheMemoryError
 
-from kvtune.plan import CapacityPlan, plan_capacity
-from kvtune.plan_cli import build_device, build_model
+from kvtune.plan import CapacityPlan, ModelChoice, plan_capacity, planned_device, planned_model
 from kvtune.report import fmt
 from kvtune.ui import charts
 
@@ -72,12 +71,11 @@ def memory_frame(plan: CapacityPlan) -> pd.DataFrame:
     return pd.DataFrame([{"": label, "GiB": round(value / GiB, 2)} for label, value in rows])
 
 
-def model_inputs() -> SimpleNamespace:
-    """The same fields `kvtune plan` takes, for its build_model."""
+def model_inputs() -> ModelChoice:
+    """The model, as `kvtune plan` is asked about it."""
     choice = st.selectbox("Model", [*MODEL_PRESETS, CUSTOM], index=list(MODEL_PRESETS).index("llama-3-8b"),
                           key="plan_model")
-    args = SimpleNamespace(preset=None, hf_config=None, layers=None, kv_heads=None, head_dim=None, heads=None,
-                           dtype="bfloat16", weights_gib=None)
+    args = ModelChoice()
     if choice != CUSTOM:
         args.preset = choice
         return args
@@ -93,12 +91,12 @@ def model_inputs() -> SimpleNamespace:
     return args
 
 
-def device_inputs() -> SimpleNamespace:
+def device_inputs() -> DeviceSpec:
     choice = st.selectbox("Device", [*DEVICE_PRESETS, CUSTOM], key="plan_device")
     if choice != CUSTOM:
-        return SimpleNamespace(device=choice, device_memory=None)
+        return planned_device(choice, None)
     memory = st.number_input("Device memory (GiB)", 1.0, 4096.0, 80.0, key="plan_memory")
-    return SimpleNamespace(device=None, device_memory=int(memory * GiB))
+    return planned_device(None, int(memory * GiB))
 
 
 def render() -> None:
@@ -119,7 +117,7 @@ def render() -> None:
     with right:
         try:
             contexts = parse_contexts(contexts_text)
-            model, device = build_model(model_args), build_device(device_args)
+            model, device = planned_model(model_args), device_args
             if not max_len and model_args.layers is not None:  # a custom model has no limit of its own
                 max_len = max(contexts, default=4096)
             config = EngineConfig(block_size=block_size, gpu_memory_utilization=utilization,

@@ -1,0 +1,175 @@
+"""One calibration: probe a server, fit the cost model, and the profile (or the refusal).
+
+    profile = calibrate_url("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny")
+    profile = calibrate_target(EngineTarget(...), config, "tiny", "cpu", "cpu-tiny")  # starts, stops the server
+"""
+from __future__ import annotations
+
+import time
+
+from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.cost import TIED_TO, CostCoefficients, torch_attention_kernel
+
+from .fit import RMS_LIMIT, FitRefusedError, bound_side, degenerate_reasons, fit_coefficients, step_shapes, unseen
+from .probes import ProbeOptions, ServerInfo, design_probes, run_probes, server_info, speed_drift
+from .profile import CalibrationProfile
+
+DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
+
+
+def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
+                     cost_profile: str | None = None, **kwargs) -> CalibrationProfile:
+    """Start the target's server with `config` (as a trial would), calibrate against it, stop it."""
+    server = server_target.server(config)
+    if cost_profile:
+        server.command += ["--cost-profile", cost_profile]
+    with server:
+        return calibrate_url(server.url, preset, device, config, name, target=server_target.name,
+                             executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
+                             **kwargs)
+
+
+def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | None, name: str,
+                  target: str = "url", executor: str | None = None, quick: bool = False, max_batch: int = 64,
+                  max_prompt: int | None = None, options: ProbeOptions | None = None, check_alive=None,
+                  progress=None, base: CostCoefficients | None = None) -> CalibrationProfile:
+    """Probe the server at `url` (which serves `preset` on `device`, configured as
+    `config` describes, where /metrics does not say), fit, and return the profile.
+    `base`: the coefficients the fit leaves alone and starts from; by default the cost
+    model's, with the attention kernel's pair counting of the torch executor where the
+    server is kvengine's torch executor."""
+    if base is None:
+        base = CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
+    model, device_spec = model_preset(preset), device_preset(device)
+    info = server_info(url)
+    server_config = _server_config(config or EngineConfig(), info, model, device_spec)
+    pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
+    plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
+                         max_prompt=max_prompt, pool_tokens=pool,
+                         batch_tokens=server_config.max_num_batched_tokens, quick=quick)
+    if progress:
+        progress(f"probing {url} ({info.model_name}, max_model_len {info.max_model_len}): {len(plan)} probes, "
+                 f"{plan.num_requests} requests")
+    t0 = time.perf_counter()
+
+    def each(i, n, run):
+        if progress:
+            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.measures)
+            progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
+
+    runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
+    probe_wall = time.perf_counter() - t0
+    kv_dtype = server_config.kv_cache_dtype
+    shapes, observations = step_shapes(runs, model, device_spec, server_config, base)
+    result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
+                              base=base)
+    profile = CalibrationProfile(
+        name=name, model=model.name, device=device, coefficients=result.coefficients,
+        client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
+        target=target, url=url, executor=executor,
+        served_model=info.model_name,
+        server=info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
+        residuals=result.residuals(), roofline_residuals=result.initial,
+        observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
+                       "predicted_s": o.predicted_s} for o in result.observations],
+        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {},
+        fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
+    reasons = degenerate_reasons(result)
+    if reasons:
+        # What to try, for what went wrong: noise (a busy machine, too few samples), timings
+        # the stream could not time, or prompts the cost model does not reach.
+        advice = []
+        drift = profile.drift.get("change")
+        if drift is not None and abs(drift) > DRIFT_WARN:
+            advice.append(f"calibrate when the server is quiet: its speed moved {drift:+.0%} between the first "
+                          "and the last probe (other work on its machine, or other clients of the server?)")
+        else:
+            advice.append("calibrate when the server is quiet: nothing else on its machine, no other client")
+        if quick:
+            advice.append("drop --quick: the full plan has more lengths, batch sizes and repeats per term, "
+                          "and longer decode windows")
+        if result.dropped:
+            advice.append("a probe without a timing: its streams came in too few chunks in its window (a "
+                          "server whose frontend falls behind merges tokens, or sends a stream in one burst): a "
+                          "quieter machine, or smaller batches (--max-batch)")
+        if target == "url":
+            advice.append(f"check that --preset {preset} --device {device} describe the served model, and that "
+                          "the scheduler flags (--max-num-seqs, --max-num-batched-tokens, --block-size, ...) are "
+                          "the server's: the fit replays the probes with them")
+        longest = max(run.probe.prompt_len for run in runs)
+        advice.append(f"where the longest prompts misfit, leave them out (--max-prompt, now {longest})")
+        raise FitRefusedError(
+            f"the fit is not usable as a cost profile ({len(reasons)} "
+            f"{'reason' if len(reasons) == 1 else 'reasons'}; rms limit {RMS_LIMIT:.0%}):\n"
+            + "".join(f"  - {r}\n" for r in reasons)
+            + "to do:\n" + "".join(f"  - {a}\n" for a in advice)
+            + "the refused fit:\n" + format_profile(profile), reasons, profile)
+    return profile
+
+
+def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
+    """The flags' config, corrected by what the server says about itself."""
+    import dataclasses
+
+    from kvengine.config import KV_CACHE_DTYPES
+    changes = {"max_model_len": min(info.max_model_len, model.max_position_embeddings)}
+    if info.block_size:
+        changes["block_size"] = info.block_size
+    if info.enable_prefix_caching is not None:
+        changes["enable_prefix_caching"] = info.enable_prefix_caching
+    if info.kv_cache_dtype in KV_CACHE_DTYPES:
+        changes["kv_cache_dtype"] = info.kv_cache_dtype
+    return dataclasses.replace(config, num_gpu_blocks_override=None, **changes).resolve(model, device)
+
+
+def format_profile(profile: CalibrationProfile) -> str:
+    c = profile.coefficients
+    lines = [f"profile {profile.name}: {profile.model} on {profile.device}, fitted on {profile.target}"
+             + (f" ({profile.executor} executor)" if profile.executor else "") + f" at {profile.url} "
+             f"in {profile.probe_wall_s:.0f} s of probes",
+             *(f"  {name:<29}{value:10.4g}{_bound_note(name, value)}" if value is not None
+               else f"  {name:<29}    (= {TIED_TO[name]})"
+               for name, value in c.to_dict().items() if name not in NOT_FITTED),
+             f"  {'attention pairs':<29}{_kernel_line(c)}",
+             (f"  {'client overhead':<29}{profile.client_overhead_s * 1e3:8.3f} ms idle, "
+              f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
+             *_drift_lines(profile.drift),
+             "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
+    for kind, r in profile.residuals.items():
+        u = profile.roofline_residuals.get(kind, {})
+        lines.append(f"  {kind:<10} n={r['n']:<3}                   {r['rms']:6.1%} {r['max']:6.1%} "
+                     f"{r['bias']:+6.1%}          {u.get('rms', float('nan')):7.1%} {u.get('max', float('nan')):7.1%}")
+    return "\n".join(lines)
+
+
+# Set, not fitted: the block penalty's scale, and how the attention kernel counts its pairs.
+NOT_FITTED = ("block_overhead_tokens", "attention_key_block", "context_chunk_all_keys")
+
+
+def _bound_note(name: str, value: float) -> str:
+    """Where the fit left a coefficient at a bound. An efficiency at its top or an overhead
+    at its floor prices its term at about zero: the probes' timings did not show it (a GPU
+    serving a small model is host-bound, and its roofline terms go so)."""
+    side = bound_side(name, value)  # None for 0: never fitted (no probe could)
+    if side is None:
+        return ""
+    return (f"   (at the fit's {side} bound: "
+            + ("the probes did not show this term)" if unseen(name, value)
+               else "the timings asked for more than it allows)"))
+
+
+def _kernel_line(c: CostCoefficients) -> str:
+    blocks = f"keys in blocks of {c.attention_key_block}" if c.attention_key_block else "causal pairs only"
+    return blocks + (", all keys for a chunk after context" if c.context_chunk_all_keys else "")
+
+
+def _drift_lines(drift: dict) -> list[str]:
+    if not drift:
+        return []
+    line = (f"  {'server speed':<29}{drift['probe']}: ITL {drift['first_s'] * 1e3:.3f} ms first, "
+            f"{drift['last_s'] * 1e3:.3f} ms last ({drift['change']:+.1%})")
+    if abs(drift["change"]) <= DRIFT_WARN:
+        return [line]
+    warning = (f"  warning: the server's speed moved {drift['change']:+.0%} while it was probed (other work on "
+               "its machine?); the fit averages over that, so calibrate again when the machine is quiet")
+    return [line, warning]
