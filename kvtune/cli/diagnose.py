@@ -10,6 +10,7 @@ import sys
 
 from .commands import COMMANDS
 from .args import add_db_argument
+from ..targets.sim import engine_config
 from ..calibrate.profile import get_profile
 from ..results import RunResult
 from ..workload import FORMATS, read_workload, workload_stats
@@ -163,7 +164,7 @@ def _replayed_workload(path: str | None, fmt: str | None, result: RunResult):
         return None, "the run's trace is not at hand: pass --workload FILE to try the fixes in the simulator"
     workload = read_workload(path, format=fmt)
     stored = result.workload
-    mine = workload_stats(workload, block_size=stored.get("block_size") or 16)
+    mine = workload_stats(workload, block_size=engine_config(stored).block_size)
     differ = [k for k in ("requests", "prompt_tokens", "output_tokens") if stored.get(k) not in (None, mine[k])]
     if stored.get("duration_s") and not math.isclose(stored["duration_s"], mine["duration_s"], rel_tol=0.01):
         differ.append("duration_s")

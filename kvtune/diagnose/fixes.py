@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..targets.sim import engine_config
 from .facts import RunFacts
 from .model import FlagChange
 from .pool import fp8_gain, replan
@@ -171,7 +172,7 @@ def lower_max_model_len(f: RunFacts) -> FlagChange | None:
     current = f.config.get("max_model_len")
     if not current or f.contexts is None:
         return None
-    block = int(f.config.get("block_size") or 16)
+    block = engine_config(f.config).block_size
     longest = max(f.contexts.longest, f.contexts.p99)
     target = int(math.ceil(longest / block) * block)
     if current < 2 * target:

@@ -10,12 +10,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvengine.config import ConfigError, DeviceSpec, EngineConfig, ModelSpec, device_preset, model_preset
+from kvengine.config import ConfigError, DeviceSpec, ModelSpec, device_preset, model_preset
 from kvengine.memory import KVCacheMemoryError, kv_bytes_per_token, max_concurrency, plan_memory
 
 from ..results import RunResult
+from ..targets.sim import engine_config
 
-ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
 
 
 @dataclass
@@ -41,13 +41,8 @@ def specs(result: RunResult) -> tuple[ModelSpec, DeviceSpec] | None:
         return None
 
 
-def engine_config(config: dict, **changes) -> EngineConfig:
-    known = {k: v for k, v in config.items() if k in ENGINE_FIELDS}
-    return dataclasses.replace(EngineConfig(**known), **changes)
-
-
 def pool_of(result: RunResult) -> Pool | None:
-    cfg, block_size = result.config, int(result.config.get("block_size") or 16)
+    cfg, block_size = result.config, engine_config(result.config).block_size
     for key, source in (("num_gpu_blocks", "the server's vllm:cache_config_info"),
                         ("num_gpu_blocks_override", "--num-gpu-blocks-override")):
         if cfg.get(key):

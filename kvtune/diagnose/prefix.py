@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..targets.sim import engine_config
 from .facts import RunFacts
 from .fixes import more_kv_room
 from .model import Diagnosis, Evidence, FlagChange, fixes
@@ -81,7 +82,7 @@ def _pressure_evidence(f: RunFacts) -> list[Evidence]:
     """Heavy evictions where the server counts them (kvengine), else a full pool or preemptions."""
     s = f.series
     if s.has("kvengine_evictions"):
-        evicted = int(s.total("kvengine_evictions")) * int(f.config.get("block_size") or 16)
+        evicted = int(s.total("kvengine_evictions")) * engine_config(f.config).block_size
         heavy = f.pool is not None and evicted >= EVICTED_POOLS * f.pool.tokens
         return [Evidence("kvengine:prefix_cache_evictions_total (tokens)", s.whole(), evicted,
                          f">= the {f.pool.tokens:,}-token pool: the cache turned over")] if heavy else []
@@ -166,7 +167,7 @@ def _distinct_prefix_tokens(f: RunFacts) -> int | None:
 
 
 def _smaller_blocks(f: RunFacts) -> FlagChange | None:
-    size = int(f.config.get("block_size") or 16)
+    size = engine_config(f.config).block_size
     # the sizes the server takes, as its run recorded them; else GPU vLLM's multiples of 16
     allowed = [b for b in f.config.get("server_block_sizes") or (16, 32, 64, 128, 256) if b < size]
     if not allowed:

@@ -25,7 +25,8 @@ from ..results import RunResult
 from ..targets.startlog import is_wrapper, read_log, root_cause
 from .facts import RunFacts
 from .model import Diagnosis, Evidence, FlagChange, Thresholds, fixes as options
-from .pool import engine_config, specs
+from ..targets.sim import engine_config
+from .pool import specs
 
 # What a line says when memory is the cause (the KV pool, activations, other processes); never plain "memory":
 # vLLM's logs mention memory everywhere ("No available shared memory broadcast block found in 60 seconds").
@@ -156,7 +157,7 @@ def _starts(result: RunResult, **changes) -> bool:
 
 def _utilization_that_starts(result: RunResult) -> FlagChange | None:
     """The smallest utilisation (in 0.01 steps) at which kvengine's memory plan starts."""
-    current = result.config.get("gpu_memory_utilization") or 0.92
+    current = engine_config(result.config).gpu_memory_utilization
     for hundredths in range(math.floor(current * 100) + 1, 99):
         if _starts(result, gpu_memory_utilization=hundredths / 100):
             return FlagChange("--gpu-memory-utilization", current, hundredths / 100,
@@ -241,7 +242,7 @@ def _max_len_from_hint(result: RunResult, error: str) -> FlagChange | None:
     match = MAX_LEN_HINT.search(error)
     if not match or not int(match.group(1)):
         return None
-    block = int(result.config.get("block_size") or 16)
+    block = engine_config(result.config).block_size
     target = int(match.group(1)) // block * block
     asked = MAX_LEN_ASKED.search(error)
     current = result.config.get("max_model_len") or (int(asked.group(1)) if asked else None)

@@ -25,11 +25,11 @@ from kvengine.config import ConfigError, EngineConfig
 
 from ..results import RunResult
 from ..targets.base import TargetStartError
-from ..targets.sim import SimTarget, config_dict
+from ..targets.sim import SimTarget, config_dict, engine_config
 from ..workload import Workload
 from .fixes import CPU_KV_SPACE
 from .model import HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds
-from .pool import engine_config, fp8_gain, replan, specs
+from .pool import fp8_gain, replan, specs
 from .run import diagnose
 
 MARGIN = 0.10  # TTFT or e2e p95 may grow by this share of the baseline's ...
@@ -228,7 +228,7 @@ def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) ->
     if name == "kv_cache_dtype":
         return _scaled(config, fp8_gain(result))
     if name == "block_size":
-        return _scaled(config, (base.block_size or 16) / value)
+        return _scaled(config, base.block_size / value)
     if name in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
         ratio = _pool_ratio(result, name, change)
         return _scaled(config, ratio) if ratio else "the pool this gives on the server is not known to the simulator"

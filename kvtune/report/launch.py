@@ -5,7 +5,6 @@ Built by the same targets that start those servers in stage 2, so the flags
 """
 from __future__ import annotations
 
-import dataclasses
 import shlex
 from dataclasses import dataclass
 
@@ -33,13 +32,6 @@ class LaunchCommand:
     note: str = ""  # why not, or what to know first
 
 
-def engine_config(run_config: dict, params: dict) -> EngineConfig:
-    """The config a run used (its stored dict), with the trial's knobs on top."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"extra"}
-    known = {k: v for k, v in (run_config or {}).items() if k in names}
-    return EngineConfig(**(known | {k: v for k, v in params.items() if k in names}))
-
-
 def launch_commands(config: EngineConfig, preset: str | None, device: str | None,
                     served_model: str | None = None, measured: dict | None = None) -> list[LaunchCommand]:
     """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model;
@@ -63,7 +55,7 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
             note = (f"with {', '.join(prefix)}: the environment the measured server ran with" if prefix else "")
             out.append(LaunchCommand(server, _shell(argv, prefix), note))
     engine = EngineTarget(executor="sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
-    argv = ["kvengine", *_strip_local(engine.command(config, 0))[3:]]  # `python -m kvengine` is `kvengine`
+    argv = ["kvengine", *_strip_local(engine.serve_args(config, 0))]
     out.append(LaunchCommand("kvengine", _shell(argv),
                              "the bundled engine serving the simulated device, as kvtune's stage 2 runs it"))
     return out

@@ -19,7 +19,7 @@ from ..scrape.scraper import http_get
 from ..workload import Workload, workload_stats, write_workload
 from .base import TargetRunError
 from . import hostcpu
-from .sim import config_dict
+from .sim import config_dict, engine_config
 
 SERVER_HISTOGRAMS = ("ttft", "tpot", "itl", "e2e", "queue")
 
@@ -117,7 +117,7 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
         cfg["server_version"] = version
     if cfg.get("max_model_len") is None:
         cfg["max_model_len"] = served_max_model_len(url)  # the server's own default, as it reports it
-    block_size = int(cfg.get("block_size") or 16)
+    block_size = engine_config(cfg).block_size
     sent = [r.arrival_s for r in records if r.ttft_s is not None]
     ends = [r.arrival_s + r.e2e_s for r in records if r.e2e_s is not None]
     result = RunResult(target=target, model=model_label or model, device=options.device, config=cfg,

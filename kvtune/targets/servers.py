@@ -145,7 +145,11 @@ class EngineTarget(_ServerTarget):
         return rules.with_server_args(self.extra_args)
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
-        cmd = [self.python, "-m", "kvengine", "serve", "--host", "127.0.0.1", "--port", str(port),
+        return [self.python, "-m", "kvengine", *self.serve_args(config, port)]
+
+    def serve_args(self, config: EngineConfig, port: int) -> list[str]:
+        """`kvengine`'s arguments (from `serve` on) for `config` on 127.0.0.1:port."""
+        cmd = ["serve", "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", SERVED_NAME, "--executor", self.executor, "--preset", self.preset,
                "--device", self.device, *launch_flags(config)]
         if self.model_path:

@@ -114,4 +114,19 @@ def _record(req: Request) -> RequestRecord:
 
 
 def config_dict(config: EngineConfig) -> dict:
+    """A config as a run stores it; `engine_config` reads it back."""
     return {k: v for k, v in vars(config).items() if k != "extra"}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
+
+
+def engine_config(stored: dict | None, params: dict | None = None, **changes) -> EngineConfig:
+    """The config a run's stored dict describes, `params` (a trial's knobs) and `changes` on top.
+
+    Other keys (launch_env, a URL target's labels) are left out. A knob stored as None (the server
+    did not say) takes EngineConfig's default where that is not None: block_size 16, vLLM's on
+    GPUs, is the one place that default is assumed."""
+    merged = {**(stored or {}), **(params or {}), **changes}
+    known = {k: v for k, v in merged.items() if k in _FIELDS}
+    return EngineConfig(**{k: v for k, v in known.items() if v is not None or _FIELDS[k].default is None})

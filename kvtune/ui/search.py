@@ -9,7 +9,8 @@ import streamlit as st
 
 from kvtune.report import fmt
 from kvtune.report.data import ReportData, ReportError
-from kvtune.report.launch import engine_config, launch_commands, model_export
+from kvtune.report.launch import launch_commands, model_export
+from kvtune.targets.sim import engine_config
 from kvtune.report.sections import trial_note
 from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, describe
 from kvtune.report.words import (
