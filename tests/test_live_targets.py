@@ -53,6 +53,13 @@ def test_kvtune_run_engine_sim_end_to_end(tmp_path):
     stored = Store(db).load_run(s["run_id"])
     assert len(stored.requests) == n and sum(r.output_tokens for r in stored.requests) == sent_output
     assert stored.target == "engine" and stored.config["max_num_seqs"] == 32
+    # What the UI draws while a run goes on: each scrape streamed to kvtune_samples, in the series'
+    # convention (counters as increases), so the streamed increases add up to the server's totals.
+    samples = Store(db).load_samples(s["run_id"])
+    names = {x.name for x in samples}
+    assert {"kv_usage", "num_running", "prompt_tokens", "generation_tokens"} <= names
+    assert sum(x.value for x in samples if x.name == "prompt_tokens") == sent_prompt
+    assert sum(x.value for x in samples if x.name == "generation_tokens") == sent_output
     # On an L4 the TTFTs are long enough that the client's own overhead hides in bucket resolution.
     assert not any(d.startswith("ttft") for d in s["disagreements"]), s["disagreements"]
 

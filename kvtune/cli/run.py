@@ -1,6 +1,7 @@
 """`kvtune run`: replay a workload on a target with one config, store it, summarise it."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -90,6 +91,8 @@ def cmd_run(args) -> int:
     url_target = isinstance(target, UrlTarget)
     run_id = store.start_run(target.name, model_label or args.target, device or "unknown",
                              config=None if url_target else config_dict(config))
+    if args.target != "sim":  # a live run: its scrapes reach the UI while it runs
+        target.options.on_samples = functools.partial(store.add_samples, run_id)
     try:
         result = target.run(None if url_target else config, workload)
         store.save_run(result, run_id=run_id)

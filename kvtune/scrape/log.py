@@ -84,6 +84,17 @@ class ScrapeLog:
                 out[key] = _deltas(values)
         return out
 
+    def newest_samples(self) -> list[tuple[float, str, float]]:
+        """The newest snapshot as (time.time(), series name, value) rows in series()'s convention
+        (gauges as sampled, counters as the increase since the snapshot before): what a run in
+        progress streams to the store for the UI."""
+        if not self.snapshots:
+            return []
+        pair = ScrapeLog(self.snapshots[-2:]).series()
+        t = self.snapshots[-1].t
+        return [(t, key, values[-1]) for key, values in pair.items()
+                if key not in ("time", "duration") and values[-1] is not None]
+
     # -- counters ------------------------------------------------------------
     def counter_increase(self, name: str, t0: float | None = None, t1: float | None = None) -> float | None:
         """Increase over the window, through counter resets; None if the server never exported it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Self
 
 import httpx
@@ -97,8 +98,11 @@ class Scraper:
     """
 
     def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 5.0,
-                 model_name: str | None = None, retries: int = 2, retry_delay_s: float = 0.2):
+                 model_name: str | None = None, retries: int = 2, retry_delay_s: float = 0.2,
+                 on_samples: Callable[[list[tuple[float, str, float]]], None] | None = None):
         self.url = metrics_url(url)
+        self.on_samples = on_samples  # given each snapshot's ScrapeLog.newest_samples, from the thread
+        self.sink_errors = 0  # on_samples calls that raised: the scrape goes on regardless
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.model_name = model_name
@@ -182,3 +186,9 @@ class Scraper:
             return
         with self._lock:
             self._log.snapshots.append(snap)
+            rows = self._log.newest_samples() if self.on_samples else []
+        if rows:
+            try:
+                self.on_samples(rows)
+            except Exception:  # noqa: BLE001 - a store that hiccups must not stop the scrape
+                self.sink_errors += 1

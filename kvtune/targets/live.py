@@ -6,7 +6,8 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -34,6 +35,8 @@ class LiveOptions:
     device: str = "unknown"
     disagree_margin: float = 0.25  # client vs server p95 gap (relative) worth a warning
     watch_interval_s: float = 1.0  # how often the replay checks that the server is still there
+    # Each scrape's samples while the run goes on (the store's kvtune_samples, for the UI's running run).
+    on_samples: Callable[[list[tuple[float, str, float]]], None] | None = field(default=None, compare=False)
 
 
 # What the requests library called a ConnectionError (refused, reset, no answer at all, a proxy
@@ -89,7 +92,8 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
     with tempfile.TemporaryDirectory(prefix="kvtune-live-") as tmp:
         path = os.path.join(tmp, "workload.jsonl")
         write_workload(workload, path)
-        scraper = Scraper(url, interval_s=options.scrape_interval_s, model_name=model)
+        scraper = Scraper(url, interval_s=options.scrape_interval_s, model_name=model,
+                          on_samples=options.on_samples)
         try:
             scraper.start()
         except ScrapeError as err:
