@@ -12,6 +12,7 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 from kvtune.search import Objective, Stage1, load_space, open_storage, open_study, parse_slo, ranked_trials
 from kvtune.search.slo import SLOError, score
 from kvtune.search.space import SpaceError
+from kvtune.search.study import mark_started
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -123,7 +124,7 @@ def test_a_trial_killed_before_its_first_heartbeat_is_failed_on_resume(tmp_path)
     orphan = study.ask()  # RUNNING, no heartbeat thread ever ran: what a kill leaves behind
     beating = study.ask()
     time.sleep(3.2)
-    storage.record_heartbeat(beating._trial_id)  # alive (another worker's trial)
+    mark_started(beating)  # alive: another worker's trial, its objective running
     open_study(storage, "z", objective, "tpe", 0, {})
     states = {t.number: t.state for t in optuna.load_study(study_name="z", storage=storage).trials}
     assert states == {orphan.number: optuna.trial.TrialState.FAIL,

@@ -132,27 +132,32 @@ def open_study(storage, name: str, objective: Objective, sampler: str, seed: int
     return study
 
 
+STARTED = "started"  # the user attr a trial gets as its objective begins, once it has a heartbeat
+
+
+def mark_started(trial: optuna.Trial) -> None:
+    """Beat for `trial`, then mark it started: every trial that is marked has a heartbeat, so
+    Optuna's fail_stale_trials ends it should its process die; one that is not marked died first."""
+    storage = trial.study._storage
+    if isinstance(storage, optuna.storages.RDBStorage) and storage.heartbeat_interval is not None:
+        storage.record_heartbeat(trial._trial_id)
+    trial.set_user_attr(STARTED, True)
+
+
 def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
-    """Fail the RUNNING trials that never beat and started longer ago than the grace period.
+    """Fail the RUNNING trials whose objective never began (not marked started) and that started
+    longer ago than the grace period.
 
     Optuna's fail_stale_trials skips a RUNNING trial with no heartbeat row: one
     whose process was killed between creating it and its heartbeat thread's
     first beat. It would stay RUNNING for ever and count against --trials."""
     if not isinstance(storage, optuna.storages.RDBStorage) or storage.heartbeat_interval is None:
         return []
-    # optuna<6 is pinned: its schema and session helper are known
-    from optuna.storages._rdb import models
-    from optuna.storages._rdb.storage import _create_scoped_session
-
     grace = timedelta(seconds=storage.grace_period or 2 * storage.heartbeat_interval)
     now = datetime.now()
     failed = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if trial.datetime_start is None or now - trial.datetime_start <= grace:
-            continue
-        with _create_scoped_session(storage.scoped_session) as session:
-            beats = session.query(models.TrialHeartbeatModel).filter_by(trial_id=trial._trial_id).count()
-        if beats:
+        if trial.user_attrs.get(STARTED) or trial.datetime_start is None or now - trial.datetime_start <= grace:
             continue
         try:
             storage.set_trial_user_attr(trial._trial_id, "interrupted", True)  # it measured nothing
@@ -286,6 +291,7 @@ class Stage1:
 
     def _objective(self, trial: optuna.Trial):
         self._trial = trial
+        mark_started(trial)
         if self._counted_before(trial.number) >= self.n_trials:
             trial.set_user_attr("surplus", True)  # another process took the last slot
             self.study.stop()
