@@ -6,9 +6,10 @@ flag means the same thing everywhere and a recommended config pastes unchanged.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
-from .config import (BLOCK_SIZES, DEVICE_PRESETS, KV_CACHE_DTYPES, MODEL_PRESETS, EngineConfig,
+from .config import (BLOCK_SIZES, DEVICE_PRESETS, MODEL_PRESETS, EngineConfig,
                      device_preset, model_preset)
 from .limits import (MAX_N_SEQUENCES, MAX_NUM_QUEUED_REQS, MAX_REQUEST_BODY_BYTES, REQUEST_READ_TIMEOUT_S,
                      ServerLimits)
@@ -22,76 +23,58 @@ def add_model_flags(p: argparse.ArgumentParser, default_preset: str = "llama-3-8
                    help=f"device preset: {', '.join(DEVICE_PRESETS)} (default: %(default)s)")
 
 
+# EngineConfig's fields that are `vllm serve` flags (their metadata says how), in its order.
+ENGINE_FLAG_FIELDS = tuple(f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata)
+_TYPES = {"int | None": int, "int": int, "float": float, "str": str}
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
 def add_engine_flags(p: argparse.ArgumentParser, platform_block_size: bool = False) -> None:
-    """platform_block_size: --block-size left out means the platform's (128 on the CPU, as
-    vLLM's CPU build; 16 on GPUs), for a server that knows where it runs; else 16."""
+    """One flag per EngineConfig field, as vLLM's EngineArgs derives its CLI. platform_block_size:
+    --block-size left out means the platform's (128 on the CPU, as vLLM's CPU build; 16 on GPUs),
+    for a server that knows where it runs; else 16."""
     g = p.add_argument_group("KV cache and scheduler (vllm serve's flags)")
-    sizes = ', '.join(map(str, BLOCK_SIZES))
-    if platform_block_size:
-        g.add_argument("--block-size", type=int, default=None,
-                       help=f"tokens per KV block: {sizes} (default: vLLM's for the device, 128 on the "
-                            "CPU, 16 on GPUs)")
-    else:
-        g.add_argument("--block-size", type=int, default=16,
-                       help=f"tokens per KV block: {sizes} (default: %(default)s)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.92,
-                   help="share of device memory the engine may use, in (0, 1] (default: %(default)s)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most requests running at once (default: vLLM's for the device, 1024 or 256 "
-                        "on GPUs, 128 on the CPU)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: vLLM's for the device, 8192 or 2048)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV storage: auto = the model dtype (default: %(default)s)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse K/V of shared prompt prefixes (default: on)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prefills across steps (default: on)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit per request (default: the model's)")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="cap on one request's prefill tokens per step, 0 = off (default: %(default)s)")
-    g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None, metavar="SIZE",
-                   help="the KV pool's size (e.g. 4GiB or 4294967296), instead of sizing it from "
-                        "--gpu-memory-utilization")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="use this many KV blocks instead of sizing the pool from memory")
+    for f in ENGINE_FLAG_FIELDS:
+        kwargs, help_text, default = {}, f.metadata["help"], f.default
+        if f.name == "block_size":
+            help_text += ": " + ", ".join(map(str, BLOCK_SIZES))
+            if platform_block_size:
+                default = None
+                help_text += " (default: vLLM's for the device, 128 on the CPU, 16 on GPUs)"
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+            help_text += f" (default: {'on' if default else 'off'})"
+        else:
+            kwargs["type"] = parse_size if f.metadata.get("size") else _TYPES[f.type]
+            if f.metadata.get("size"):
+                kwargs["metavar"] = "SIZE"
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            if default is not None and "(default" not in help_text:
+                help_text += " (default: %(default)s)"
+        g.add_argument(flag_name(f.name), default=default, help=help_text, **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        max_model_len=args.max_model_len,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in ENGINE_FLAG_FIELDS})
 
 
 def launch_flags(config: EngineConfig) -> list[str]:
-    """The `vllm serve` / `kvengine serve` arguments that reproduce `config`."""
-    # block_size None (unresolved): left out, so the server takes its platform's.
-    args = [] if config.block_size is None else ["--block-size", str(config.block_size)]
-    args += ["--gpu-memory-utilization", f"{config.gpu_memory_utilization:g}",
-             "--kv-cache-dtype", config.kv_cache_dtype]
-    for flag, value in (("--max-num-seqs", config.max_num_seqs),
-                        ("--max-num-batched-tokens", config.max_num_batched_tokens),
-                        ("--max-model-len", config.max_model_len),
-                        ("--num-gpu-blocks-override", config.num_gpu_blocks_override),
-                        ("--kv-cache-memory-bytes", config.kv_cache_memory_bytes)):
-        if value is not None:
-            args += [flag, str(value)]
-    if config.long_prefill_token_threshold:
-        args += ["--long-prefill-token-threshold", str(config.long_prefill_token_threshold)]
-    args.append("--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching")
-    if not config.enable_chunked_prefill:
-        args.append("--no-enable-chunked-prefill")
+    """The `vllm serve` / `kvengine serve` arguments that reproduce `config`: the searched knobs
+    always, the others where they are not the default; a None (unresolved: block_size left to the
+    platform) is left out, so the server takes its own."""
+    args = []
+    for f in ENGINE_FLAG_FIELDS:
+        value = getattr(config, f.name)
+        if value is None or (value == f.default and not f.metadata.get("always")):
+            continue
+        if f.type == "bool":
+            args.append(flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:])
+        else:
+            args += [flag_name(f.name), f"{value:g}" if isinstance(value, float) else str(value)]
     return args
 
 

@@ -1,31 +1,28 @@
-"""`kvtune search`: the main job. Stage 1 on the sim target, stage 2 on a live one."""
+"""`kvtune search`: the main job. Stage 1 on the sim target, stage 2 on a live one; the flow is
+kvtune/search/flow.py's, this module parses the flags and prints what the flow says."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 
-from sqlalchemy.exc import DBAPIError
-
-from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.config import device_preset, model_preset
 
 from .commands import COMMANDS
 from .args import add_db_argument
 from ..calibrate import get_profile
-from ..environment import host_environment
-from ..store import Store, StoreError, resolve_db_url
-from ..diagnose.trial import Simulator, diagnosed
+from ..store import resolve_db_url
 from ..targets import SimTarget
 from .target import add_server_flags, live_target
-from ..workload import FORMATS, head, read_workload
+from ..workload import FORMATS, read_workload
 from .args import positive_float, positive_int
+from ..search.flow import SearchError, SearchRequest, run_search
 from ..search.objective import OBJECTIVES, Objective
-from ..search.slo import diagnosis_thresholds, parse_slo
+from ..search.slo import parse_slo
 from ..search.space import SearchSpace, load_space
-from ..targets import TargetRunError, TargetStartError
 from ..search.ranking import describe
-from ..search.stage2 import DEFAULT_NUMBER, Candidate, LivePlan, default_params, representable, run_stage2
-from ..search.study import SAMPLERS, Stage1, is_feasible, open_storage, open_study, ranked_trials
+from ..search.stage2 import LivePlan
+from ..search.study import SAMPLERS
 
 LIVE_TARGETS = ("engine", "vllm", "sglang", "none")
 
@@ -117,81 +114,24 @@ def _search(args, live_targets: list) -> int:
     if args.profile:
         profile = get_profile(args.db, args.profile)
         sim = profile.sim_target()
-        model, device = sim.model, sim.device
         args.preset, args.device = profile.model, profile.device
     else:
-        model, device = model_preset(args.preset), device_preset(args.device)
-        sim = SimTarget(model, device)
-    base = EngineConfig(max_model_len=args.max_model_len)
+        sim = SimTarget(model_preset(args.preset), device_preset(args.device))
     live = _live_target(args) if args.target != "none" else None
     live_targets += [live] if live is not None else []
-    sim_base, default = base, base.resolve(model, device)
-    if live is not None:
-        # the live target's own rules: what it takes, what it runs when given no flags, its pool
-        space, notes = space.for_target(live.rules, _explicit_knobs(space, optional))
-        sim_base = live.rules.sim_config(base)
-        default = live.rules.default_config(sim_base).resolve(model, device)
-        if sim_base is not base:
-            notes.append(f"stage 1 sizes the KV pool as the live server does: {live.rules.pool_text}")
-        for note in notes:
-            print(f"note: {note}")
-    store = Store(db_url)
-    name = _study_name(args)
-    attrs = {"workload": args.workload, "preset": args.preset, "device": args.device, "profile": args.profile,
-             "slos": [str(s) for s in slos],
-             "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
-             "space": {k.name: _knob_text(k) for k in space.knobs},
-             "latency": args.latency, "live_requests": args.live_head}
-    study = open_study(open_storage(db_url, args.heartbeat), name, objective, args.sampler, args.seed, attrs)
-    stage1 = Stage1(study, space, sim_base, objective, sim.run, workload, store, args.trials)
-    dflt = default_params(space, default)
-    study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
-    study.set_user_attr("environment", host_environment())  # where this search ran, for the report
-    if representable(space, dflt):
-        stage1.enqueue(dflt)
-    if live is not None:
-        print(f"checking the {args.target} target: starting it with its default config (kept for its first live run)")
-        try:
-            live.check(space.config(dflt, base))
-        except (TargetStartError, TargetRunError) as err:
-            print(f"error: the {args.target} target does not serve, so stage 2 could not measure; fix this "
-                  f"before a search (nothing was searched):\n{err}", file=sys.stderr)
-            return 2
-    print(f"study {name!r} in {store.display_url}: {args.trials} stage-1 trials of {args.preset} on "
-          f"{args.device}, objective {objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
-    with _progress(args.trials) as on_trial:
-        stage1.on_trial = on_trial
-        stage1.optimize()
-    ranked = ranked_trials(study, objective)
-    if not ranked:
-        print("error: no stage-1 trial completed; see the failed trials' reasons above", file=sys.stderr)
-        return 1
-    feasible = [t for t in ranked if is_feasible(t)]
-    if slos and not feasible:
-        print(_nothing_feasible(ranked[0], slos))
-    if args.target != "none":
-        candidates = [Candidate("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
-                      for t in ranked[:args.top_k]]
-        if all(c.label != "default" for c in candidates):
-            dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
-            candidates.append(Candidate("default", dnum, dflt))
-        candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
-        live_workload = head(workload, args.live_head) if args.live_head else workload
-        plan = LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget)
-        print(f"stage 2: {len(candidates)} configs on the {args.target} target, {plan.repeats}-{plan.max_repeats} "
-              f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
-        run_stage2(live.run, candidates, space, base, live_workload, objective, store, name, plan,
-                   on_result=lambda o: print(f"  {o.candidate.label} #{o.repeat}: " + (
-                       f"failed: {o.error}" if o.error else _score_text(o.score))),
-                   simulator=Simulator.of(sim, live_workload, args.profile))
-        for note in plan.notes:
-            print(f"note: {note}")
-    from ..report.data import load_report_data  # the report's verdict is the one printed here
-    data = load_report_data(db_url, name)
-    shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
-    if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
-        data = load_report_data(db_url, name)
-    _diagnose_shown(store, data, Simulator.of(sim, workload, args.profile), slos)
+    request = SearchRequest(
+        workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
+        preset=args.preset, device=args.device, study=_study_name(args), db_url=db_url, trials=args.trials,
+        sampler=args.sampler, seed=args.seed, max_model_len=args.max_model_len, heartbeat_s=args.heartbeat,
+        profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
+        top_k=args.top_k, live_head=args.live_head,
+        plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget))
+    try:
+        outcome = run_search(request, say=print, stage1_progress=_progress, on_live=_print_live)
+    except SearchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    data, name = outcome.data, outcome.study
     print(_final_table(data, objective))
     print(describe(data.verdict))
     report = None
@@ -202,31 +142,20 @@ def _search(args, live_targets: list) -> int:
         print(f"report: {md} and {html}")
     v = data.verdict
     if args.json:
-        rec = v.recommended
-        print(json.dumps({"study": name, "feasible": bool(feasible), "verdict": v.kind, "stage": v.stage,
+        rec, best = v.recommended, outcome.ranked[0]
+        print(json.dumps({"study": name, "feasible": bool(outcome.feasible), "verdict": v.kind, "stage": v.stage,
                           "reasons": v.reasons, "recommended": rec.params if rec else None,
                           "recommended_label": rec.label if rec else None,
                           "leader": v.leader.params if v.leader else None,
-                          "best_trial": ranked[0].number, "best_params": ranked[0].params,
-                          "best_values": ranked[0].values, "report": report,
+                          "best_trial": best.number, "best_params": best.params,
+                          "best_values": best.values, "report": report,
                           "live": [_live_json(c) for c in data.candidates if c.runs],
                           "live_runs": sum(len(c.runs) for c in data.candidates)}))
     return 3 if live is not None and not v.measured else 0  # the live stage could not measure
 
 
-def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
-    """The stage-1 runs the report shows are diagnosed once, here, with the study's SLOs (stage 2
-    stored its own runs' diagnoses): the report and the UI read them."""
-    thresholds = diagnosis_thresholds(list(slos))
-    for view in (data.best_run, data.default_run):
-        if view is None or view.stage != "sim":
-            continue
-        try:
-            if not store.load_diagnoses(view.run_id):
-                store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
-        except (StoreError, DBAPIError) as err:  # another worker of the study rewrote the run meanwhile
-            print(f"note: the diagnoses of run {view.run_id} were not stored ({str(err).splitlines()[0][:200]}); "
-                  f"`kvtune diagnose --run {view.run_id}` works them out")
+def _print_live(o) -> None:
+    print(f"  {o.candidate.label} #{o.repeat}: " + (f"failed: {o.error}" if o.error else _score_text(o.score)))
 
 
 def _live_json(c) -> dict:
@@ -276,30 +205,10 @@ def _explicit_knobs(space: SearchSpace, optional: tuple[str, ...]) -> set[str]:
     return {k.name for k in space.knobs if default.get(k.name) != k}
 
 
-def _knob_text(knob) -> str:
-    if knob.choices is not None:
-        return ",".join(map(str, knob.choices))
-    return f"{knob.low:g}:{knob.high:g}" + (":log" if knob.log else f":{knob.step:g}" if knob.step else "")
-
-
 def _score_text(sc) -> str:
     obs = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in sc.observed.items() if v is not None)
     return (f"goodput {sc.goodput_rps:.2f} req/s, throughput {sc.throughput_rps:.2f} req/s"
             + (f", {obs}" if obs else "") + ("" if sc.feasible else " (misses SLOs)"))
-
-
-def _nothing_feasible(closest, slos) -> str:
-    misses = []
-    for slo in slos:
-        observed = closest.user_attrs.get(f"observed_{slo.name}")
-        if observed is not None and observed > slo.threshold_s:
-            misses.append(f"{slo.name} {observed * 1000:.0f} ms vs {slo.threshold_s * 1000:g} ms")
-    return (f"no configuration met the SLOs; the closest, trial {closest.number} ({_params_text(closest.params)}), "
-            f"misses {'; '.join(misses) or 'them'}. The report's diagnoses say why.")
-
-
-def _params_text(params: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in params.items())
 
 
 def _final_table(data, objective: Objective) -> str:

@@ -1,0 +1,192 @@
+"""The search from start to end: stage 1 on the simulator, the live stage, one ranking, and the
+scores and diagnoses stored with the runs. `kvtune search` builds a SearchRequest and prints what
+this says; the report and the UI only read what it stored.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+from sqlalchemy.exc import DBAPIError
+
+from kvengine.config import EngineConfig
+
+from ..diagnose.trial import Simulator, diagnosed
+from ..environment import host_environment
+from ..store import Store, StoreError
+from ..targets import SimTarget, TargetRunError, TargetStartError
+from ..workload import Workload, head
+from .objective import Objective
+from .slo import diagnosis_thresholds
+from .space import SearchSpace
+from .stage2 import DEFAULT_NUMBER, Candidate, LivePlan, LiveOutcome, default_params, representable, run_stage2
+from .study import Stage1, is_feasible, open_storage, open_study, ranked_trials
+
+
+class SearchError(Exception):
+    """The search could not go on; `exit_code` is the command's (2: the live target does not serve,
+    1: no stage-1 trial completed)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class SearchRequest:
+    """A search, its inputs parsed and checked by the caller."""
+    workload: Workload
+    workload_path: str
+    objective: Objective
+    space: SearchSpace  # as asked; the live target's rules narrow it
+    sim: SimTarget
+    preset: str
+    device: str
+    study: str
+    db_url: str
+    trials: int
+    sampler: str = "tpe"
+    seed: int = 0
+    max_model_len: int | None = None
+    heartbeat_s: float = 30.0
+    profile: str | None = None  # a calibrated cost profile's name
+    live: object | None = None  # the live target (its rules, check and run); None: stage 1 only
+    live_kind: str = "none"
+    explicit_knobs: set[str] = field(default_factory=set)  # the knobs whose values the operator chose
+    top_k: int = 3
+    live_head: int | None = None
+    plan: LivePlan = field(default_factory=lambda: LivePlan(3, 5, None))
+
+
+@dataclass
+class SearchOutcome:
+    study: str
+    ranked: list  # stage 1's completed trials, best first
+    feasible: list
+    data: object  # the report's ReportData: its verdict is the one ranking's
+
+
+def run_search(req: SearchRequest, say: Callable[[str], None] = print,
+               stage1_progress: Callable[[int], AbstractContextManager] | None = None,
+               on_live: Callable[[LiveOutcome], None] | None = None) -> SearchOutcome:
+    """Run `req`; `say` hears each note and stage line, `stage1_progress(trials)` gives the context whose
+    value is told of each stage-1 trial, `on_live` of each live run."""
+    model, device = req.sim.model, req.sim.device
+    base = EngineConfig(max_model_len=req.max_model_len)
+    space, sim_base, default = req.space, base, base.resolve(model, device)
+    live = req.live
+    if live is not None:
+        # the live target's own rules: what it takes, what it runs when given no flags, its pool
+        space, notes = space.for_target(live.rules, req.explicit_knobs)
+        sim_base = live.rules.sim_config(base)
+        default = live.rules.default_config(sim_base).resolve(model, device)
+        if sim_base is not base:
+            notes.append(f"stage 1 sizes the KV pool as the live server does: {live.rules.pool_text}")
+        for note in notes:
+            say(f"note: {note}")
+    store = Store(req.db_url)
+    slos = req.objective.slos
+    attrs = {"workload": req.workload_path, "preset": req.preset, "device": req.device, "profile": req.profile,
+             "slos": [str(s) for s in slos],
+             "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
+             "space": {k.name: knob_text(k) for k in space.knobs},
+             "latency": req.objective.latency, "live_requests": req.live_head}
+    study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
+                       attrs)
+    stage1 = Stage1(study, space, sim_base, req.objective, req.sim.run, req.workload, store, req.trials)
+    dflt = default_params(space, default)
+    study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
+    study.set_user_attr("environment", host_environment())  # where this search ran, for the report
+    if representable(space, dflt):
+        stage1.enqueue(dflt)
+    if live is not None:
+        _check_live(req, live, space.config(dflt, base), say)
+    say(f"study {req.study!r} in {store.display_url}: {req.trials} stage-1 trials of {req.preset} on "
+        f"{req.device}, objective {req.objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
+    with (stage1_progress or (lambda _n: nullcontext(None)))(req.trials) as on_trial:
+        if on_trial is not None:
+            stage1.on_trial = on_trial
+        stage1.optimize()
+    ranked = ranked_trials(study, req.objective)
+    if not ranked:
+        raise SearchError("no stage-1 trial completed; see the failed trials' reasons above", 1)
+    feasible = [t for t in ranked if is_feasible(t)]
+    if slos and not feasible:
+        say(nothing_feasible(ranked[0], slos))
+    if live is not None:
+        _stage2(req, live, ranked, dflt, space, base, store, say, on_live)
+    return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, store, stage1))
+
+
+def _check_live(req: SearchRequest, live, config: EngineConfig, say) -> None:
+    """The live target starts and answers before stage 1 spends minutes."""
+    say(f"checking the {req.live_kind} target: starting it with its default config (kept for its first live run)")
+    try:
+        live.check(config)
+    except (TargetStartError, TargetRunError) as err:
+        raise SearchError(f"the {req.live_kind} target does not serve, so stage 2 could not measure; fix this "
+                          f"before a search (nothing was searched):\n{err}", 2) from None
+
+
+def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
+    candidates = [Candidate("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
+                  for t in ranked[:req.top_k]]
+    if all(c.label != "default" for c in candidates):
+        dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
+        candidates.append(Candidate("default", dnum, dflt))
+    candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
+    live_workload = head(req.workload, req.live_head) if req.live_head else req.workload
+    plan = req.plan
+    say(f"stage 2: {len(candidates)} configs on the {req.live_kind} target, {plan.repeats}-{plan.max_repeats} "
+        f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
+    run_stage2(live.run, candidates, space, base, live_workload, req.objective, store, req.study, plan,
+               on_result=on_live, simulator=Simulator.of(req.sim, live_workload, req.profile))
+    for note in plan.notes:
+        say(f"note: {note}")
+
+
+def _stored_verdict(req: SearchRequest, store: Store, stage1: Stage1):
+    """The report's data (its verdict is the one ranking's), once the stage-1 runs it shows are stored
+    in full and diagnosed."""
+    from ..report.data import load_report_data
+
+    data = load_report_data(req.db_url, req.study)
+    shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
+    if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
+        data = load_report_data(req.db_url, req.study)
+    _diagnose_shown(store, data, Simulator.of(req.sim, req.workload, req.profile), req.objective.slos)
+    return data
+
+
+def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
+    """The stage-1 runs the report shows are diagnosed once, here, with the study's SLOs (stage 2
+    stored its own runs' diagnoses): the report and the UI read them."""
+    thresholds = diagnosis_thresholds(list(slos))
+    for view in (data.best_run, data.default_run):
+        if view is None or view.stage != "sim":
+            continue
+        try:
+            if not store.load_diagnoses(view.run_id):
+                store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
+        except (StoreError, DBAPIError) as err:  # another worker of the study rewrote the run meanwhile
+            print(f"note: the diagnoses of run {view.run_id} were not stored ({str(err).splitlines()[0][:200]}); "
+                  f"`kvtune diagnose --run {view.run_id}` works them out")
+
+
+def knob_text(knob) -> str:
+    """A knob's range as the study stores it: `16,32` or `0.85:0.95:0.01` or `32:512:log`."""
+    if knob.choices is not None:
+        return ",".join(map(str, knob.choices))
+    return f"{knob.low:g}:{knob.high:g}" + (":log" if knob.log else f":{knob.step:g}" if knob.step else "")
+
+
+def nothing_feasible(closest, slos) -> str:
+    misses = []
+    for slo in slos:
+        observed = closest.user_attrs.get(f"observed_{slo.name}")
+        if observed is not None and observed > slo.threshold_s:
+            misses.append(f"{slo.name} {observed * 1000:.0f} ms vs {slo.threshold_s * 1000:g} ms")
+    params = ", ".join(f"{k} {v}" for k, v in closest.params.items())
+    return (f"no configuration met the SLOs; the closest, trial {closest.number} ({params}), "
+            f"misses {'; '.join(misses) or 'them'}. The report's diagnoses say why.")
