@@ -23,7 +23,7 @@ from kvtune.search.ranking import (
     describe,
     interval,
 )
-from kvtune.search.stage2 import Candidate, LivePlan, default_params, run_stage2
+from kvtune.search.stage2 import LiveConfig, LivePlan, default_params, run_stage2
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -119,7 +119,7 @@ def stage2(tmp_path, plan, params):
     space = load_space(None, ["block_size=16,32", "max_num_seqs=8,256", "kv_cache_dtype=auto,fp8"])
     base = EngineConfig(max_model_len=4096)
     dflt = default_params(space, base.resolve(model, device))
-    cands = [Candidate(f"trial {i}", i, p) for i, p in enumerate(params)] + [Candidate("default", -1, dflt)]
+    cands = [LiveConfig(f"trial {i}", i, p) for i, p in enumerate(params)] + [LiveConfig("default", -1, dflt)]
     store = Store(f"sqlite:///{tmp_path}/s.db")
     outcomes = run_stage2(SimTarget(model, device).run, cands, space, base, busy(),
                           Objective("goodput", (SLO,)), store, "s", plan)

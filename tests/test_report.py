@@ -29,7 +29,7 @@ from kvtune.search import (
     parse_slo,
     ranked_trials,
 )
-from kvtune.search.stage2 import Candidate, default_params, representable, run_stage2
+from kvtune.search.stage2 import LiveConfig, default_params, representable, run_stage2
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
@@ -66,8 +66,8 @@ def build_study(tmp_path, name, slos=("ttft_p95=500ms",), trials=8, objective="g
     stage1.optimize()
     if stage2:
         ranked = ranked_trials(study, obj)
-        candidates = [Candidate(f"trial {t.number}", t.number, dict(t.params)) for t in ranked[:top_k]]
-        candidates.append(Candidate("default", -1, dflt))
+        candidates = [LiveConfig(f"trial {t.number}", t.number, dict(t.params)) for t in ranked[:top_k]]
+        candidates.append(LiveConfig("default", -1, dflt))
         run = target.run if live is None else (lambda config, w: live(config, target.run(config, w)))
         run_stage2(run, candidates, sp, base, workload(), obj, store, name)
     store.close()

@@ -28,7 +28,7 @@ from kvtune.search import (
     parse_slo,
     ranked_trials,
 )
-from kvtune.search.stage2 import Candidate, default_params, run_stage2
+from kvtune.search.stage2 import LiveConfig, default_params, run_stage2
 from kvtune.store import Store
 from kvtune.targets import LiveOptions, SimTarget, UrlTarget
 from kvtune.ui import charts
@@ -101,10 +101,10 @@ def staged_study(db: str, trace: str) -> None:
     sim = SimTarget(model_preset(PRESET), device_preset(DEVICE))
     with Store(db) as store:
         Stage1(study, space, base, objective, sim.run, workload(), store, 6).optimize()
-        candidates = [Candidate(f"trial {t.number}", t.number, dict(t.params))
+        candidates = [LiveConfig(f"trial {t.number}", t.number, dict(t.params))
                       for t in ranked_trials(study, objective)[:2]]
         dflt = default_params(space, base.resolve(model_preset(PRESET), device_preset(DEVICE)))
-        run_stage2(sim.run, candidates + [Candidate("default", -1, dflt)], space, base, workload(), objective,
+        run_stage2(sim.run, candidates + [LiveConfig("default", -1, dflt)], space, base, workload(), objective,
                    store, "staged")
 
 

@@ -7,7 +7,7 @@ EXPORTS = exports_of({
     ".objective": ("OBJECTIVES", "Objective"),
     ".slo": ("SLO", "Score", "parse_slo", "score"),
     ".space": ("SearchSpace", "load_space"),
-    ".stage2": ("Candidate", "run_stage2"),
+    ".stage2": ("LiveConfig", "run_stage2"),
     ".study": ("Stage1", "open_storage", "open_study", "ranked_trials"),
 })
 __getattr__, __dir__ = lazy_face(__name__, EXPORTS)

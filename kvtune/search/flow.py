@@ -20,7 +20,7 @@ from ..workload import Workload, head
 from .objective import Objective
 from .slo import diagnosis_thresholds
 from .space import SearchSpace
-from .stage2 import DEFAULT_NUMBER, Candidate, LivePlan, LiveOutcome, default_params, representable, run_stage2
+from .stage2 import DEFAULT_NUMBER, LiveConfig, LivePlan, LiveOutcome, default_params, representable, run_stage2
 from .study import Stage1, is_feasible, open_storage, open_study, ranked_trials
 
 
@@ -130,11 +130,11 @@ def _check_live(req: SearchRequest, live, config: EngineConfig, say) -> None:
 
 
 def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
-    candidates = [Candidate("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
+    candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in ranked[:req.top_k]]
     if all(c.label != "default" for c in candidates):
         dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
-        candidates.append(Candidate("default", dnum, dflt))
+        candidates.append(LiveConfig("default", dnum, dflt))
     candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
     live_workload = head(req.workload, req.live_head) if req.live_head else req.workload
     plan = req.plan

@@ -25,7 +25,9 @@ LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
 
 
 @dataclass
-class Candidate:
+class LiveConfig:
+    """A config the live stage runs: its label, stage 1's trial number (DEFAULT_NUMBER for a default
+    stage 1 never ran) and its knobs. Its measurements become ranking.Candidate's runs."""
     label: str  # "default" or "trial 17"
     number: int
     params: dict
@@ -38,7 +40,7 @@ class LivePlan:
     budget: int | None = None  # most live runs in all (the default's included)
     notes: list[str] = field(default_factory=list)
 
-    def fit(self, candidates: list[Candidate]) -> list[Candidate]:
+    def fit(self, candidates: list[LiveConfig]) -> list[LiveConfig]:
         """The candidates the budget allows at `repeats` runs each (the default always stays)."""
         if self.budget is None:
             return candidates
@@ -55,7 +57,7 @@ class LivePlan:
 
 @dataclass
 class LiveOutcome:
-    candidate: Candidate
+    candidate: LiveConfig
     repeat: int
     values: list[float] | None = None
     score: Score | None = None
@@ -80,7 +82,7 @@ def representable(space: SearchSpace, params: dict) -> bool:
     return True
 
 
-def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: EngineConfig, workload,
+def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
                on_result=None, simulator: Simulator | None = None) -> list[LiveOutcome]:
     """Each run's diagnoses are stored with it, their fixes first tried on `simulator`."""
@@ -112,7 +114,7 @@ def run_stage2(run, candidates: list[Candidate], space: SearchSpace, base: Engin
     return outcomes
 
 
-def _run_once(run, cand: Candidate, repeat: int, config: EngineConfig, workload, objective: Objective,
+def _run_once(run, cand: LiveConfig, repeat: int, config: EngineConfig, workload, objective: Objective,
               store: Store, study: str, simulator: Simulator | None) -> LiveOutcome:
     outcome = LiveOutcome(cand, repeat)
     label = f"{LIVE_LABEL} {cand.label} #{repeat}"
@@ -148,7 +150,7 @@ def live_measurement(number: int, params: dict, run_id: int, result: RunResult) 
         repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []))
 
 
-def _save_config_row(store: Store, study: str, cand: Candidate, outcomes: list[LiveOutcome], objective) -> None:
+def _save_config_row(store: Store, study: str, cand: LiveConfig, outcomes: list[LiveOutcome], objective) -> None:
     """The config's row in the trials table: the means of its completed runs so far."""
     runs = [o.measurement for o in outcomes]
     merged, _ = combine(runs, list(objective.slos))

@@ -32,6 +32,7 @@ from ..targets import TargetRunError, TargetStartError
 from ..stopping import failure_reason, interruption
 from ..workload import rate_scale
 from .objective import Objective
+from .ranking import Measurement
 from .slo import SLO, study_slos_from_attrs
 from .space import SearchSpace, check_config
 
@@ -187,18 +188,6 @@ def count_taken(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED + (TrialState.RUNNING,)) if counts(t))
 
 
-@dataclass
-class TrialRecord:
-    number: int
-    params: dict
-    state: str
-    values: list[float] | None = None
-    run_id: int | None = None
-    reason: str | None = None
-    duplicate_of: int | None = None
-    feasible: bool | None = None
-
-
 class Stage1:
     """Runs trials until the study holds `n_trials` of them, whoever ran them."""
 
@@ -344,7 +333,7 @@ class Stage1:
         if run_id is not None and "duplicate_of" not in trial.user_attrs:
             self.store.delete_run(run_id)
 
-    def _run_trial(self, trial: optuna.Trial) -> TrialRecord:
+    def _run_trial(self, trial: optuna.Trial) -> Measurement:
         params = self.space.suggest(trial)
         done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                 if t.number != trial.number]
@@ -356,8 +345,8 @@ class Stage1:
             for key, value in twin.user_attrs.items():
                 if key not in ("duplicate_of", "fail_reason"):
                     trial.set_user_attr(key, value)
-            return TrialRecord(trial.number, params, "COMPLETE", list(twin.values), twin.user_attrs.get("run_id"),
-                               duplicate_of=twin.number, feasible=_feasible(twin.constraints))
+            return Measurement("sim", trial.number, params, "COMPLETE", list(twin.values), dict(twin.constraints or {}),
+                               run_id=twin.user_attrs.get("run_id"), duplicate_of=twin.number)
         config = self.space.config(params, self.base)
         invalid = check_config(config)
         if invalid:
@@ -376,13 +365,13 @@ class Stage1:
             trial.set_user_attr(key, value)
         self.store.save_trial(self.study.study_name, trial.number, "sim", "COMPLETE", params, values=values,
                               constraints=sc.violations, run_id=run_id)
-        return TrialRecord(trial.number, params, "COMPLETE", values, run_id, feasible=sc.feasible)
+        return Measurement("sim", trial.number, params, "COMPLETE", values, dict(sc.violations), run_id=run_id)
 
-    def _fail(self, trial, params: dict, reason: str) -> TrialRecord:
+    def _fail(self, trial, params: dict, reason: str) -> Measurement:
         trial.set_user_attr("fail_reason", reason)
         self.store.save_trial(self.study.study_name, trial.number, "sim", "FAIL", params, reason=reason)
         logging.getLogger("kvtune.search").info("trial %d failed: %s", trial.number, reason)
-        return TrialRecord(trial.number, params, "FAIL", reason=reason)
+        return Measurement("sim", trial.number, params, "FAIL", reason=reason)
 
 
 @dataclass
