@@ -173,24 +173,20 @@ class EngineConfig:
     """
 
     # Each field with a "help" is a `vllm serve` flag of the same name (flags.add_engine_flags
-    # derives the command line from these fields, as vLLM's EngineArgs does).
+    # derives the command line from these fields, as vLLM's EngineArgs does); launch commands
+    # list them in this order, the searched knobs first.
     block_size: int | None = field(default=16, metadata={"help": "tokens per KV block", "always": True})
     gpu_memory_utilization: float = field(default=0.92, metadata={
         "help": "share of device memory the engine may use, in (0, 1]", "always": True})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "KV storage: auto = the model dtype", "choices": KV_CACHE_DTYPES, "always": True})
     max_num_seqs: int | None = field(default=None, metadata={
         "help": "most requests running at once (default: vLLM's for the device, 1024 or 256 on GPUs, 128 on "
                 "the CPU)"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
         "help": "token budget per step (default: vLLM's for the device, 8192 or 2048)"})
-    kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "KV storage: auto = the model dtype", "choices": KV_CACHE_DTYPES, "always": True})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "reuse K/V of shared prompt prefixes", "always": True})
-    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prefills across steps"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context limit per request (default: the model's)"})
-    long_prefill_token_threshold: int = field(default=0, metadata={
-        "help": "cap on one request's prefill tokens per step, 0 = off"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use this many KV blocks instead of sizing the pool from memory"})
     # vLLM's --kv-cache-memory-bytes: the KV pool's size in bytes, whatever the utilisation
@@ -198,6 +194,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = field(default=None, metadata={
         "help": "the KV pool's size (e.g. 4GiB or 4294967296), instead of sizing it from "
                 "--gpu-memory-utilization", "size": True})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one request's prefill tokens per step, 0 = off"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse K/V of shared prompt prefixes", "always": True})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prefills across steps"})
     # Not a vLLM flag: the baseline allocator that PagedAttention replaced.
     kv_allocator: str = "paged"
     seed: int = 0
