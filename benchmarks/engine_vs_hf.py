@@ -30,7 +30,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, model_preset
 from kvengine.model import random_state_dict
 from kvengine.request import SamplingParams
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 
 
 def hf_model(spec, weights):

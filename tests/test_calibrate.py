@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients, torch_attention_kernel
+from kvengine.cost import StepShape, CostCoefficients, torch_attention_kernel
 from kvengine.engine import LLMEngine
 from kvengine.request import SamplingParams
 
@@ -454,7 +454,7 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     cost = StepCost.build(model_preset("llama-3-8b"), device_preset("a10-24gb"), "auto", 16, slow)
-    assert summary["ttft_p50"] == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1))
+    assert summary["ttft_p50"] == pytest.approx(cost.step_time(StepShape(1000, 1, 1000, 1000 * 1001 // 2, 1, 1)))
     assert "a10-24gb" in p.stdout
     p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
                         "--db", db], capture_output=True, text=True, timeout=120)
@@ -492,7 +492,7 @@ def test_a_loaded_prefix_probes_arrivals_hit_the_warm_prefix_amid_decodes(tmp_pa
     """Arrivals sharing a warm prefix while a batch decodes: on the live server each finds the
     prefix cached (its hit counter), and the replay prices their chunks as chunks after
     context, in the same steps as the batch's decodes."""
-    from kvengine.executor import STEP_SHAPE_FIELDS
+    from kvengine.cost import STEP_SHAPE_FIELDS
     from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
     from kvtune.scrape import fetch, metrics_url, parse_exposition
     arrivals, prefix = 6, 256

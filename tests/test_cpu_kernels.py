@@ -16,7 +16,7 @@ from kvengine.config import EngineConfig
 from kvengine.kv_cache import PagedKVCache
 from kvengine.model import Int8GreedyHead, decode_bias
 from kvengine.request import SamplingParams
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 
 kernels = cpu_kernels.load()
 kernel = kernels.attention if kernels else None

@@ -7,7 +7,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import KV_CACHE_DTYPES, EngineConfig, GiB
 from kvengine.memory import kv_bytes_per_block
 from kvengine.request import SamplingParams
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU that torch can see")
 

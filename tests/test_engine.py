@@ -1,16 +1,14 @@
 """LLMEngine with the sim executor in virtual time: numbers checkable by hand."""
 import dataclasses
-import inspect
 
+import numpy as np
 import pytest
 
 from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients, StepCost, torch_attention_kernel
+from kvengine.cost import STEP_SHAPE_FIELDS, CostCoefficients, StepCost, StepShape, kernel_pairs, torch_attention_kernel
 from kvengine.engine import LLMEngine
-from kvengine.executor import STEP_SHAPE_FIELDS
 from kvengine.request import PromptTooLongError, SamplingParams
-from kvengine.scheduler import kernel_pairs
 from kvengine.stats import request_timings
 
 MODEL, DEVICE = model_preset("llama-3-8b"), device_preset("h100-80gb")
@@ -30,9 +28,9 @@ def test_one_request_alone_ttft_is_one_prefill_step():
     req = e.add_request("a", list(range(1000, 2000)), SamplingParams(max_tokens=4, ignore_eos=True))
     run_all(e)
     t = request_timings(req)
-    prefill = e.cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1)  # causal pairs, one prefill
+    prefill = e.cost.step_time(StepShape(1000, 1, 1000, 1000 * 1001 // 2, 1, 1))  # causal pairs, one prefill
     assert t.ttft == pytest.approx(prefill)
-    decodes = [e.cost.step_time(1, 1, ctx, ctx) for ctx in (1001, 1002, 1003)]
+    decodes = [e.cost.step_time(StepShape(1, 1, ctx, ctx)) for ctx in (1001, 1002, 1003)]
     assert t.itl == pytest.approx(tuple(decodes))
     assert t.tpot == pytest.approx(sum(decodes) / 3)
     assert t.e2e == pytest.approx(prefill + sum(decodes))
@@ -101,7 +99,7 @@ def test_logits_cost_only_where_a_token_is_sampled():
     tiny = model_preset("tiny")  # vocab 32000 x hidden 256: most of its parameters
     cost = StepCost.build(tiny, DEVICE, "auto", 16, CostCoefficients(memory_efficiency=1e6))  # compute-bound
     head = cost.flops_per_sample / cost.flops_per_s
-    mid_chunk, last_chunk = cost.step_time(1024, 1, 1024, 0, 0), cost.step_time(1024, 1, 1024, 0, 1)
+    mid_chunk, last_chunk = cost.step_time(StepShape(1024, 1, 1024, 0, 0)), cost.step_time(StepShape(1024, 1, 1024, 0, 1))
     assert last_chunk - mid_chunk == pytest.approx(head)
     assert cost.flops_per_token == pytest.approx(2 * (tiny.num_params - 2 * 32000 * 256))
 
@@ -113,10 +111,10 @@ def test_decode_attention_has_its_own_efficiency_where_one_is_given():
     # 8 decodes over 1000-token contexts beside a 100-token prefill chunk.
     shape = (108, 9, 8 * 1000 + 100, 8 * 1000 + 100 * 101 // 2, 9, 1, 0)
     one = StepCost.build(tiny, DEVICE, "auto", 16, shared)
-    assert one.step_time(*shape, 8 * 1000) == pytest.approx(one.step_time(*shape))  # tied: same time
+    assert one.step_time(StepShape(*shape, 8 * 1000)) == pytest.approx(one.step_time(StepShape(*shape)))  # tied: same time
     two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
     decode_attention = 8 * 1000 * two.attention_flops_per_pair / two.attention_flops_per_s
-    assert two.step_time(*shape, 8 * 1000) - one.step_time(*shape) == pytest.approx(decode_attention)
+    assert two.step_time(StepShape(*shape, 8 * 1000)) - one.step_time(StepShape(*shape)) == pytest.approx(decode_attention)
 
 
 def test_chunks_after_context_have_their_own_attention_efficiency_where_one_is_given():
@@ -127,17 +125,20 @@ def test_chunks_after_context_have_their_own_attention_efficiency_where_one_is_g
     chunk, fresh = 100 * 1000, 50 * 51 // 2
     shape = (150, 2, 1050, chunk + fresh, 2, 2, 0, 0)
     one = StepCost.build(tiny, DEVICE, "auto", 16, shared)
-    assert one.step_time(*shape, chunk) == pytest.approx(one.step_time(*shape))  # tied: same time
+    assert one.step_time(StepShape(*shape, chunk)) == pytest.approx(one.step_time(StepShape(*shape)))  # tied: same time
     two = StepCost.build(tiny, DEVICE, "auto", 16, apart)
     context_attention = chunk * two.attention_flops_per_pair / two.attention_flops_per_s
-    assert two.step_time(*shape, chunk) - one.step_time(*shape) == pytest.approx(context_attention)
+    assert two.step_time(StepShape(*shape, chunk)) - one.step_time(StepShape(*shape)) == pytest.approx(context_attention)
 
 
-def test_a_step_shapes_fields_are_step_times_parameters_in_order():
+def test_a_step_shapes_fields_are_step_times_columns_in_order():
     """The fit reads shape columns by these names; a field added to one and not the other
     would price the wrong column."""
-    parameters = list(inspect.signature(StepCost.step_time).parameters)[1:]
-    assert list(STEP_SHAPE_FIELDS) == parameters
+    assert list(STEP_SHAPE_FIELDS) == [f.name for f in dataclasses.fields(StepShape)]
+    shape = StepShape(*range(1, len(STEP_SHAPE_FIELDS) + 1))
+    assert list(np.asarray(shape)) == list(range(1, len(STEP_SHAPE_FIELDS) + 1))  # a row, in that order
+    cost = StepCost.build(MODEL, DEVICE, "auto", 16)
+    assert cost.step_times(np.array([shape, shape]))[1] == pytest.approx(cost.step_time(shape), rel=1e-12, abs=0)
 
 
 def test_step_shape_counts_the_pairs_of_chunks_after_context_apart():
@@ -145,13 +146,13 @@ def test_step_shape_counts_the_pairs_of_chunks_after_context_apart():
     counted as the kernel counts it; fresh chunks and decodes are not in it."""
     config = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8)
 
-    def shapes_of(kernel) -> list[tuple]:
+    def shapes_of(kernel) -> list[StepShape]:
         engine = LLMEngine(config, model_preset("tiny"), DEVICE)
         executor = engine.executor
         executor.cost = dataclasses.replace(executor.cost, attention_key_block=kernel[0],
                                             context_chunk_all_keys=kernel[1])
         shapes = []
-        executor.step_time = lambda shape: shapes.append(shape) or StepCost.step_time(executor.cost, *shape)
+        executor.step_time = lambda shape: shapes.append(shape) or StepCost.step_time(executor.cost, shape)
         engine.add_request("a", list(range(1000, 1100)), SamplingParams(max_tokens=2, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
@@ -160,9 +161,9 @@ def test_step_shape_counts_the_pairs_of_chunks_after_context_apart():
     for kernel in ((0, False), (512, True)):
         shapes = shapes_of(kernel)
         # 100 tokens at 64 a step: a fresh chunk, then 36 after 64, then one decode.
-        assert [s[8] for s in shapes] == [0, kernel_pairs(36, 100, *kernel), 0]
-        assert [s[7] for s in shapes] == [0, 0, 101]
-        assert shapes[0][3] == kernel_pairs(64, 64, *kernel)
+        assert [s.context_chunk_pairs for s in shapes] == [0, kernel_pairs(36, 100, *kernel), 0]
+        assert [s.decode_token_pairs for s in shapes] == [0, 0, 101]
+        assert shapes[0].attention_token_pairs == kernel_pairs(64, 64, *kernel)
 
 
 def test_the_sim_counts_attention_pairs_as_the_servers_kernel_does():
@@ -191,15 +192,15 @@ def test_the_sim_counts_attention_pairs_as_the_servers_kernel_does():
 
 def test_fp8_and_block_size_move_the_step_time_the_right_way():
     def decode_step(dtype="auto", bs=16):
-        return StepCost.build(MODEL, DEVICE, dtype, bs).step_time(256, 256, 256 * 4000, 256 * 4000)
+        return StepCost.build(MODEL, DEVICE, dtype, bs).step_time(StepShape(256, 256, 256 * 4000, 256 * 4000))
     assert decode_step("fp8") < decode_step("auto")
     assert decode_step(bs=8) > decode_step(bs=16) > decode_step(bs=64)
-    small = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(1, 1, 100, 100)
+    small = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(StepShape(1, 1, 100, 100))
     # batch 1 decode: weight-bound, reading every weight but the untied input embedding
     streamed = MODEL.weight_bytes - MODEL.vocab_size * MODEL.hidden_size * MODEL.dtype_bytes
     weights_time = streamed / (DEVICE.hbm_bandwidth * CostCoefficients().memory_efficiency)
     assert small == pytest.approx(weights_time + 1.5e-3 + 1e-5, rel=0.01)
-    prefill = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(8192, 1, 8192, 8192 * 8192)
+    prefill = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(StepShape(8192, 1, 8192, 8192 * 8192))
     assert prefill > 10 * small  # a long prefill is compute-bound
 
 
@@ -208,13 +209,13 @@ def test_an_arrival_costs_a_busy_step_its_frontend_overhead_and_an_idle_one_noth
     e = LLMEngine(EngineConfig(), MODEL, DEVICE, cost_coefficients=coeffs)
     a = e.add_request("a", list(range(1000, 1100)), SamplingParams(max_tokens=4, ignore_eos=True))
     e.step()  # a alone on an idle engine
-    assert a.first_token_time == pytest.approx(e.cost.step_time(100, 1, 100, 100 * 101 // 2, 1, 1))
+    assert a.first_token_time == pytest.approx(e.cost.step_time(StepShape(100, 1, 100, 100 * 101 // 2, 1, 1)))
     b = e.add_request("b", list(range(2000, 2050)), SamplingParams(max_tokens=1, ignore_eos=True))
     before = e.clock.now
     e.step()  # b admitted beside a's decode
     pairs = 101 + 50 * 51 // 2
-    assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 1))
-    assert e.clock.now - before == pytest.approx(e.cost.step_time(51, 2, 151, pairs, 2, 1, 0) + 0.01)
+    assert e.clock.now - before == pytest.approx(e.cost.step_time(StepShape(51, 2, 151, pairs, 2, 1, 1)))
+    assert e.clock.now - before == pytest.approx(e.cost.step_time(StepShape(51, 2, 151, pairs, 2, 1, 0)) + 0.01)
     assert b.first_token_time == e.clock.now
 
 
@@ -233,6 +234,6 @@ def test_step_times_of_many_shapes_are_step_time_of_each(coeffs):
                        rng.integers(0, 10**6, 500)], axis=1)
     assert shapes.shape[1] == len(STEP_SHAPE_FIELDS)
     cost = StepCost.build(model_preset("tiny"), DEVICE, "auto", 16, coeffs)
-    scalar = [cost.step_time(*(int(v) for v in row)) for row in shapes]
+    scalar = [cost.step_time(StepShape(*(int(v) for v in row))) for row in shapes]
     assert cost.step_times(shapes.astype(float)) == pytest.approx(scalar, rel=1e-12, abs=0)
     assert not cost.step_times(shapes[:10]).any()

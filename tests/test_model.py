@@ -14,7 +14,7 @@ from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig
 from kvengine.hf import CheckpointError, model_spec_from_hf
 from kvengine.request import SamplingParams
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 
 N = 24  # generated tokens per request
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)

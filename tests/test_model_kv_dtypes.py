@@ -15,7 +15,7 @@ import torch
 from kvengine.clock import VirtualClock
 from kvengine.config import EngineConfig
 from kvengine.request import SamplingParams
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 
 N = 256
 PROMPT = torch.randint(3, 32000, (64,), generator=torch.Generator().manual_seed(7)).tolist()

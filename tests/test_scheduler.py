@@ -5,8 +5,9 @@ import pytest
 
 from kvengine.blocks import KVCacheManager
 from kvengine.config import EngineConfig
+from kvengine.cost import causal_pairs, kernel_pairs
 from kvengine.request import Request, RequestStatus, SamplingParams
-from kvengine.scheduler import Scheduler, causal_pairs, kernel_pairs
+from kvengine.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, **kw):
@@ -174,3 +175,43 @@ def test_kernel_pairs_count_whole_key_blocks_up_to_each_querys_diagonal():
         assert causal_pairs(n, ctx) <= kernel_pairs(n, ctx, block) <= n * ctx
         assert kernel_pairs(n, ctx, block) == sum(min(ctx, -(-(p + 1) // block) * block)
                                                   for p in range(ctx - n, ctx))
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_outputs_carry_the_block_tables_an_executor_keeps(caching):
+    """Applying each output's block ids as an executor does (a request admitted or resumed
+    brings its whole table, a running one its added blocks; ended ones are dropped) keeps
+    the KV manager's tables, through preemptions, prefix hits and an abort."""
+    rng = random.Random(2)
+    sched, kv = make(num_blocks=24, max_num_seqs=6, budget=20, enable_prefix_caching=caching)
+    shared = [9000 + i for i in range(8)]  # a common prefix: prefix hits where caching is on
+    for i in range(30):
+        own = [100 * i + j + 1 for j in range(rng.randint(1, 24))]
+        params = SamplingParams(max_tokens=rng.randint(1, 16), ignore_eos=True)
+        sched.add_request(Request(f"r{i}", shared + own, params))
+    tables: dict[str, list[int]] = {}
+    preempted = 0
+    for k in range(3000):
+        if k == 5:
+            sched.finish_requests(["r0"])
+        out, _ = step(sched)
+        assert len(out.new_block_ids) == len(out.scheduled)
+        for rid in out.finished_req_ids:
+            tables.pop(rid, None)
+        for r in out.preempted:
+            tables.pop(r.request_id, None)
+        preempted += len(out.preempted)
+        first_new = len(out.scheduled) - out.num_new_reqs
+        for i, (r, ids) in enumerate(zip(out.scheduled, out.new_block_ids)):
+            if i >= first_new:
+                tables[r.request_id] = list(ids)
+            else:
+                tables[r.request_id] += ids
+        assert {r.request_id: tables[r.request_id] for r in sched.running} == \
+            {r.request_id: kv.get_block_ids(r.request_id) for r in sched.running}
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished() and preempted
+    assert kv.prefix_stats.hits > 0 if caching else kv.prefix_stats.hits == 0
+    step(sched)  # nothing left: an empty output, which holds the last ones' ids for the next
+    assert set(tables) == set(sched.finished_req_ids)

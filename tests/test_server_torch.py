@@ -84,7 +84,7 @@ def test_the_pool_leaves_the_process_within_its_memory_budget():
 MEASURE = """
 import json, math
 from kvengine.config import EngineConfig
-from kvengine.torch_executor import build_torch_engine
+from kvengine.torch_engine import build_torch_engine
 e = build_torch_engine(EngineConfig(max_model_len=1024), preset="tiny", device="cpu",
                        device_memory=1 << 30, own_process=True)
 m = e.memory

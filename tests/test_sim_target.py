@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import StepCost
+from kvengine.cost import StepShape, StepCost
 from kvtune.results import RunResult
 from kvtune.targets import SimTarget, TargetStartError
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -22,7 +22,7 @@ def test_one_request_alone_ttft_is_one_prefill_step():
     result = run([TraceRequest(0.0, 1000, 3)])
     rec = result.requests[0]
     cost = StepCost.build(MODEL, DEVICE, "auto", 16)
-    assert rec.ttft_s == pytest.approx(cost.step_time(1000, 1, 1000, 1000 * 1001 // 2, 1, 1))
+    assert rec.ttft_s == pytest.approx(cost.step_time(StepShape(1000, 1, 1000, 1000 * 1001 // 2, 1, 1)))
     assert rec.output_tokens == 3 and len(rec.itl_s) == 2 and rec.queue_s == 0
     assert result.summary["completed"] == 1 and result.summary["prefix_hit_rate"] == 0.0
 
@@ -141,7 +141,7 @@ def test_a_burst_enters_the_engine_one_request_at_a_time():
     # the first step (2 ms in) runs the first request alone.
     assert fronted.series["num_seqs"][0] == 1
     ttfts = [r.ttft_s for r in fronted.requests]
-    alone = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(64, 1, 64, 64 * 65 // 2, 1, 1)
+    alone = StepCost.build(MODEL, DEVICE, "auto", 16).step_time(StepShape(64, 1, 64, 64 * 65 // 2, 1, 1))
     assert ttfts == sorted(ttfts) and ttfts[0] == pytest.approx(0.002 + alone)
     assert all(r.arrival_s == 0.0 for r in fronted.requests)
     assert ttfts[-1] > 0.011  # at least its wait to be taken in

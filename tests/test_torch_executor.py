@@ -14,9 +14,9 @@ from kvengine.model import GreedyHead, LlamaModel, random_state_dict
 from kvengine.request import SamplingParams
 from kvengine.sampling import Sampler, apply_top_k_top_p
 from kvengine.tokenizer import ByteTokenizer, HFTokenizer
+from kvengine.torch_engine import build_torch_engine
 from kvengine.torch_executor import (
     TorchExecutor,
-    build_torch_engine,
     resolve_device,
     set_num_threads,
     torch_device_spec,
@@ -122,6 +122,24 @@ def test_chunked_prefill_samples_only_at_the_end_of_the_prompt():
     assert req.num_output_tokens == 0 and req.num_computed_tokens == 16
     e.step()
     assert req.num_output_tokens == 1 and e.steps.duration[-1] > 0
+
+
+def test_block_tables_come_from_the_scheduler_outputs_and_match_the_kv_managers():
+    """Preempted, resumed, prefix hits, finished: the executor's tables (built from the outputs'
+    block ids alone) are the KV manager's, and finished requests' go."""
+    e = small_engine(block_size=8, num_gpu_blocks_override=9, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=64,
+                     enable_prefix_caching=True)
+    prompts = [[7] * 16 + list(range(40 + 9 * i, 49 + 9 * i)) for i in range(4)]  # 16 shared tokens
+    reqs = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    while e.has_unfinished():
+        e.step()
+        for r in e.scheduler.running:
+            assert e.executor.block_tables[r.request_id] == e.kv.get_block_ids(r.request_id)
+    assert e.num_preemptions and e.kv.prefix_stats.hits
+    assert all(len(r.output_token_ids) == 12 for r in reqs)
+    e.add_request("last", [5, 6, 7], dataclasses.replace(GREEDY, max_tokens=1))
+    e.step()
+    assert set(e.executor.block_tables) == {"last"}  # the others' ended with the step before
 
 
 @pytest.mark.parametrize("dtype", ["auto", "fp8_e4m3", "fp8_e5m2", "int8"])

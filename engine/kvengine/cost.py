@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import DeviceSpec, ModelSpec
 from .memory import kv_bytes_per_token
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
 
 
 # The coefficients that may be None: then they take the value of the one named here.
@@ -58,7 +62,7 @@ class CostCoefficients:
     # executor gathers that context from the paged cache and hands sdpa an explicit mask, whose
     # values its CPU kernel adds to every score; None: attention_efficiency.
     context_attention_efficiency: float | None = None
-    # How the prefill's attention kernel counts its (query, key) pairs (scheduler.kernel_pairs).
+    # How the prefill's attention kernel counts its (query, key) pairs (kernel_pairs).
     # Keys per block: a flash-attention kernel computes whole blocks, so each query attends up
     # to the end of the key block holding its diagonal, the rest of that block computed, then
     # masked. 0: only the causal pairs. torch's CPU flash attention takes keys 512 at a time,
@@ -115,6 +119,85 @@ def check_ranges(c: CostCoefficients) -> None:
         if not low <= value <= high:
             show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
             raise ValueError(f"{f.name} must be in [{show(low)}, {show(high)}], got {show(value)}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computes, as the roofline prices it; step_shape counts it from a SchedulerOutput."""
+
+    num_tokens: int  # computed this step: prefill chunks + decodes
+    num_seqs: int  # requests scheduled
+    context_tokens: int  # K/V tokens read: each request's context after the step, summed
+    attention_token_pairs: int  # (query, key) pairs the attention kernels compute (kernel_pairs)
+    num_samples: int | None = None  # requests that sample a token; None: all of them
+    num_prefills: int = 0  # requests computing a prefill chunk (more than one token)
+    num_busy_arrivals: int = 0  # requests admitted for the first time into a step beside running ones
+    decode_token_pairs: int = 0  # the part of the pairs decodes compute: each its context
+    context_chunk_pairs: int = 0  # the part prefill chunks after earlier context compute
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The shape as one row of StepCost.step_times' input (np.array of a list of shapes)."""
+        samples = self.num_seqs if self.num_samples is None else self.num_samples
+        return np.array((self.num_tokens, self.num_seqs, self.context_tokens, self.attention_token_pairs, samples,
+                         self.num_prefills, self.num_busy_arrivals, self.decode_token_pairs,
+                         self.context_chunk_pairs), dtype=dtype)
+
+
+# The columns of StepCost.step_times' input, in order.
+STEP_SHAPE_FIELDS = tuple(f.name for f in fields(StepShape))
+SHAPE_FIELDS = len(STEP_SHAPE_FIELDS)
+
+
+def causal_pairs(new_tokens: int, context: int) -> int:
+    """(query, key) pairs of `new_tokens` queries ending a `context`-token sequence under a
+    causal mask: each attends to the earlier context and to its chunk up to itself. A decode
+    (1 token) attends to the whole context; a fresh prefill of n tokens to n(n+1)/2 pairs."""
+    return new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2
+
+
+def kernel_pairs(new_tokens: int, context: int, key_block: int, all_keys_after_context: bool = False) -> int:
+    """(query, key) pairs an attention kernel computes for `new_tokens` queries ending a
+    `context`-token sequence, where it takes keys `key_block` at a time: each query attends
+    up to the end of the block holding its own position (the block's later keys computed,
+    then masked), at most the whole context. key_block 0: the causal pairs.
+    `all_keys_after_context`: a chunk after earlier context attends to every key (a kernel
+    handed an explicit mask skips no block)."""
+    start = context - new_tokens
+    if all_keys_after_context and start > 0:
+        return new_tokens * context
+    if key_block <= 0:
+        return causal_pairs(new_tokens, context)
+    pairs = 0
+    for block in range(start // key_block, (context - 1) // key_block + 1):
+        end = min(context, (block + 1) * key_block)
+        pairs += (end - max(start, block * key_block)) * end
+    return pairs
+
+
+def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
+               all_keys_after_context: bool = False) -> StepShape:
+    """The shape of a scheduled step (the scheduler has advanced each request's
+    num_computed_tokens to its context after the step), its prefill pairs counted as a
+    kernel taking keys `key_block` at a time does (kernel_pairs); `sampled` the executor's
+    tokens, None where a prefill chunk samples none."""
+    context = decode_pairs = prefill_pairs = chunk_pairs = prefills = 0
+    for req, n in zip(out.scheduled, out.num_new_tokens):
+        ctx = req.num_computed_tokens
+        context += ctx
+        if n > 1:
+            prefills += 1
+            pairs = kernel_pairs(n, ctx, key_block, all_keys_after_context)
+            prefill_pairs += pairs
+            if ctx > n:  # after earlier context: a prefix hit's chunk, a long prompt's later ones
+                chunk_pairs += pairs
+        elif n == 1:
+            decode_pairs += ctx  # one query attends to its whole context, in any kernel
+    scheduled = out.scheduled
+    busy = 0
+    if len(scheduled) > out.num_new_reqs:  # beside running ones; a resumed request is no arrival
+        busy = sum(1 for req in scheduled[len(scheduled) - out.num_new_reqs:] if req.num_preemptions == 0)
+    return StepShape(out.total_tokens, len(scheduled), context, decode_pairs + prefill_pairs,
+                     len(sampled) - sampled.count(None), prefills, busy, decode_pairs, chunk_pairs)
 
 
 # How the torch executor's prefill attention (model.Attention._prefill: sdpa) counts its pairs,
@@ -185,26 +268,17 @@ class StepCost:
             context_chunk_all_keys=c.context_chunk_all_keys,
         )
 
-    def step_time(self, num_tokens: int, num_seqs: int, context_tokens: int,
-                  attention_token_pairs: int, num_samples: int | None = None,
-                  num_prefills: int = 0, num_busy_arrivals: int = 0, decode_token_pairs: int = 0,
-                  context_chunk_pairs: int = 0) -> float:
-        """Seconds for one step that computes `num_tokens` new tokens for `num_seqs`
-        requests whose contexts (after the step) sum to `context_tokens`;
-        `attention_token_pairs` the (query, key) pairs the kernels compute (scheduler.kernel_pairs);
-        `num_samples` the requests that sample a token (default: all of them);
-        `num_prefills` the requests computing a prefill chunk (more than one token);
-        `num_busy_arrivals` the requests admitted into a step beside running ones;
-        `decode_token_pairs` the part of the pairs that decodes compute (each its context);
-        `context_chunk_pairs` the part that prefill chunks after earlier context compute."""
-        if num_tokens == 0:
+    def step_time(self, shape: StepShape) -> float:
+        """Seconds for one step of `shape` (0 for one that computes nothing)."""
+        if shape.num_tokens == 0:
             return 0.0
-        samples = num_seqs if num_samples is None else num_samples
-        return self._seconds(max, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
-                             num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs)
+        samples = shape.num_seqs if shape.num_samples is None else shape.num_samples
+        return self._seconds(max, shape.num_tokens, shape.num_seqs, shape.context_tokens,
+                             shape.attention_token_pairs, samples, shape.num_prefills, shape.num_busy_arrivals,
+                             shape.decode_token_pairs, shape.context_chunk_pairs)
 
     def step_times(self, shapes: np.ndarray) -> np.ndarray:
-        """step_time of each row of `shapes` ([N, 9], step_time's arguments in order, all given),
+        """step_time of each row of `shapes` ([N, 9], StepShape's fields in order, all given),
         as one array computation: a calibration fit prices every probe step thousands of times."""
         columns = np.asarray(shapes, dtype=np.float64).T
         seconds = self._seconds(np.maximum, *columns)

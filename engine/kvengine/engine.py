@@ -154,7 +154,7 @@ class LLMEngine:
         s.num_tokens.append(out.total_tokens)
         s.generation_tokens.append(generated)
         s.num_seqs.append(len(out.scheduled))
-        s.context_tokens.append(out.context_tokens)
+        s.context_tokens.append(sum([req.num_computed_tokens for req in out.scheduled]))
 
     # -- virtual-time replay -------------------------------------------------
     def replay(self, arrivals: Iterable[tuple[float, str, list[int], SamplingParams]],

@@ -39,7 +39,8 @@ class KVManager(Protocol):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0, new_computed_blocks: Sequence = (),
                        full_sequence_must_fit: bool = False) -> list | None:
-        """Slots for `num_new_tokens` more tokens: the blocks added, or None if they do not fit."""
+        """Slots for `num_new_tokens` more tokens: the blocks added, or None if they do not fit.
+        The scheduler reads a running request's added blocks' `block_id`s."""
 
     def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None: ...
 

@@ -18,32 +18,6 @@ from .kv_manager import KVManager
 from .request import Request, RequestStatus
 
 
-def causal_pairs(new_tokens: int, context: int) -> int:
-    """(query, key) pairs of `new_tokens` queries ending a `context`-token sequence under a
-    causal mask: each attends to the earlier context and to its chunk up to itself. A decode
-    (1 token) attends to the whole context; a fresh prefill of n tokens to n(n+1)/2 pairs."""
-    return new_tokens * (context - new_tokens) + new_tokens * (new_tokens + 1) // 2
-
-
-def kernel_pairs(new_tokens: int, context: int, key_block: int, all_keys_after_context: bool = False) -> int:
-    """(query, key) pairs an attention kernel computes for `new_tokens` queries ending a
-    `context`-token sequence, where it takes keys `key_block` at a time: each query attends
-    up to the end of the block holding its own position (the block's later keys computed,
-    then masked), at most the whole context. key_block 0: the causal pairs.
-    `all_keys_after_context`: a chunk after earlier context attends to every key (a kernel
-    handed an explicit mask skips no block)."""
-    start = context - new_tokens
-    if all_keys_after_context and start > 0:
-        return new_tokens * context
-    if key_block <= 0:
-        return causal_pairs(new_tokens, context)
-    pairs = 0
-    for block in range(start // key_block, (context - 1) // key_block + 1):
-        end = min(context, (block + 1) * key_block)
-        pairs += (end - max(start, block * key_block)) * end
-    return pairs
-
-
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[Request] = field(default_factory=list)  # running first, then admitted
@@ -51,11 +25,11 @@ class SchedulerOutput:
     num_new_reqs: int = 0
     preempted: list[Request] = field(default_factory=list)
     total_tokens: int = 0
-    # Cost-model inputs, summed over the batch while scheduling (context = after the step).
-    context_tokens: int = 0
-    attention_token_pairs: int = 0  # (query, key) pairs a causal kernel computes; see causal_pairs
-    decode_token_pairs: int = 0  # the part of them one-token queries (decodes) compute: their contexts
-    context_chunk_pairs: int = 0  # the part of them prefill chunks after earlier context compute
+    # What an executor's block tables need (vLLM's NewRequestData.block_ids and
+    # CachedRequestData.new_block_ids), aligned with `scheduled`: a request admitted this
+    # step gets its whole table (prefix hits first), a running one the blocks added this step.
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # ended since the last output: tables to drop
 
 
 class Scheduler:
@@ -69,6 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.finished_req_ids: list[str] = []  # for the next output that runs
 
     # -- queue management ----------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -91,6 +66,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.status = status
             self.kv.free(req)
+            self.finished_req_ids.append(rid)
             done.append(req)
         return done
 
@@ -101,6 +77,8 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if out.scheduled:  # the engine executes no empty output: the ids wait for one it does
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -108,8 +86,8 @@ class Scheduler:
         allocate, running = self.kv.allocate_slots, self.running
         threshold = self.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         limit = self.max_model_len - 1  # room for the sampled token
-        scheduled, num_new = out.scheduled, out.num_new_tokens
-        total = context = pairs = decode_pairs = chunk_pairs = 0
+        scheduled, num_new, block_ids = out.scheduled, out.num_new_tokens, out.new_block_ids
+        total = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -124,33 +102,23 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while allocate(req, n) is None:
+            while (new_blocks := allocate(req, n)) is None:
                 victim = running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                ctx = req.num_computed_tokens = computed + n
+                req.num_computed_tokens = computed + n
                 scheduled.append(req)
                 num_new.append(n)
+                block_ids.append([b.block_id for b in new_blocks] if new_blocks else new_blocks)
                 total += n
-                context += ctx
-                p = causal_pairs(n, ctx)
-                pairs += p
-                if n == 1:
-                    decode_pairs += ctx
-                elif ctx > n:
-                    chunk_pairs += p
                 budget -= n
                 i += 1
                 continue
             break  # the request preempted itself: nothing after it can run either
         out.total_tokens += total
-        out.context_tokens += context
-        out.attention_token_pairs += pairs
-        out.decode_token_pairs += decode_pairs
-        out.context_chunk_pairs += chunk_pairs
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -174,23 +142,16 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
-            self._commit(out, req, n)
+            self._commit(out, req, n, kv.get_block_ids(req.request_id))
             out.num_new_reqs += 1
             budget -= n
 
-    def _commit(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _commit(self, out: SchedulerOutput, req: Request, n: int, block_ids: list[int]) -> None:
         req.num_computed_tokens += n
-        ctx = req.num_computed_tokens
         out.scheduled.append(req)
         out.num_new_tokens.append(n)
+        out.new_block_ids.append(block_ids)
         out.total_tokens += n
-        out.context_tokens += ctx
-        pairs = causal_pairs(n, ctx)
-        out.attention_token_pairs += pairs
-        if n == 1:
-            out.decode_token_pairs += ctx
-        elif ctx > n:  # a prefix hit's chunk
-            out.context_chunk_pairs += pairs
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -224,4 +185,5 @@ class Scheduler:
             for req in finished:
                 self.kv.free(req)
                 del self.requests[req.request_id]
+                self.finished_req_ids.append(req.request_id)
         return finished

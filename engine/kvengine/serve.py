@@ -64,7 +64,7 @@ def build_engine(args):
     if args.cost_profile:
         raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
     from .hf import CheckpointError
-    from .torch_executor import build_torch_engine
+    from .torch_engine import build_torch_engine
     try:
         engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
                                     device_memory=args.device_memory, seed=args.seed, own_process=True)

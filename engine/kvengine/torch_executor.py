@@ -1,11 +1,6 @@
 """TorchExecutor: real forward passes over a paged KV cache, behind SimExecutor's interface.
 
-    engine = build_torch_engine(EngineConfig(block_size=16), preset="tiny")
-    engine.add_request("a", engine.executor.tokenizer.encode("Hello"), SamplingParams(max_tokens=8))
-    while engine.has_unfinished():
-        engine.step()
-
-`LLMEngine` drives the executor in three calls:
+torch_engine.build_torch_engine wires one into an LLMEngine, which drives it in three calls:
   1. `profile_activation_bytes(config)` before the pool is sized. On CUDA a
      profiling forward pass at `max_num_batched_tokens` (split over
      `max_num_seqs` sequences, with their logits), measured as vLLM measures it:
@@ -22,12 +17,12 @@
   3. `execute(out)` every step: the scheduler has already advanced each
      request's num_computed_tokens by its num_new_tokens, so request i
      computes tokens [c - n, c) of all_token_ids; it samples when c reaches
-     the end of its tokens, else (a prefill chunk) its entry is None.
+     the end of its tokens, else (a prefill chunk) its entry is None. Its
+     block tables come from the outputs' block ids, not from the KV manager.
 """
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import time
 from types import SimpleNamespace
@@ -35,7 +30,6 @@ from types import SimpleNamespace
 import torch
 
 from .blocks import cdiv
-from .clock import WallClock
 from .config import (
     DEVICE_PRESETS,
     ConfigError,
@@ -43,21 +37,17 @@ from .config import (
     EngineConfig,
     GiB,
     ModelSpec,
-    model_preset,
 )
-from .engine import LLMEngine
 from .executor import ExecutorOutput
 from .kv_cache import PagedKVCache
 from .kv_manager import KVManager
 from .memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
 from .model import (
-    TORCH_DTYPES,
     AttentionBatch,
     LlamaModel,
     PrefillChunk,
     decode_bias,
     prefill_mask,
-    random_state_dict,
 )
 from .request import SamplingParams
 from .sampling import Sampler, is_greedy
@@ -203,8 +193,8 @@ class TorchExecutor:
         self.kv_cache_dtype = kv_cache_dtype
         self.config: EngineConfig | None = None
         self.cache: PagedKVCache | None = None
-        self.kv: KVManager | None = None
         self.block_size = 0
+        self.block_tables: dict[str, list[int]] = {}  # request id -> block ids, from the scheduler's outputs
         # Called as hook(requests, logits [S, vocab] float32) on every step that
         # samples (forces the full-logits path): for tests and accuracy studies.
         self.logits_hook = None
@@ -283,7 +273,6 @@ class TorchExecutor:
         return self.model.compute_logits(hidden[last])
 
     def initialize_cache(self, num_gpu_blocks: int, kv_manager: KVManager) -> None:
-        self.kv = kv_manager
         self.block_size = kv_manager.block_size
         dtype = self.kv_cache_dtype or (self.config.kv_cache_dtype if self.config else "auto")
         self.kv_cache_dtype = dtype
@@ -321,6 +310,7 @@ class TorchExecutor:
         start = time.perf_counter()
         if self.cache is None:
             raise RuntimeError("TorchExecutor.execute before initialize_cache")
+        self._update_block_tables(out)
         ids, positions, batch, sample_rows, sample_reqs, sample_at = self._prepare(out)
         sampled: list[int | None] = [None] * len(out.scheduled)
         if ids is not None:
@@ -343,9 +333,24 @@ class TorchExecutor:
             torch.cuda.synchronize(self.device)
         return ExecutorOutput(sampled, time.perf_counter() - start)
 
+    def _update_block_tables(self, out: SchedulerOutput) -> None:
+        """Apply the output's block ids: a request admitted (or resumed) this step brings
+        its whole table, a running one the blocks it was given."""
+        tables = self.block_tables
+        for rid in out.finished_req_ids:
+            tables.pop(rid, None)
+        for req in out.preempted:
+            tables.pop(req.request_id, None)
+        first_new = len(out.scheduled) - out.num_new_reqs
+        for i, (req, block_ids) in enumerate(zip(out.scheduled, out.new_block_ids)):
+            if i >= first_new:
+                tables[req.request_id] = list(block_ids)
+            elif block_ids:
+                tables[req.request_id].extend(block_ids)
+
     def _prepare(self, out: SchedulerOutput):
         """Flatten the step: decode rows first, then each prefill chunk's rows."""
-        bs, get_blocks, dev = self.block_size, self.kv.get_block_ids, self.device
+        bs, block_tables, dev = self.block_size, self.block_tables, self.device
         window = self.spec.sliding_window
         ids: list[int] = []
         positions: list[int] = []
@@ -361,7 +366,7 @@ class TorchExecutor:
             if n > 1:
                 prefill.append((i, req, n, c))
                 continue
-            blocks = get_blocks(req.request_id)[:cdiv(c, bs)]
+            blocks = block_tables[req.request_id][:cdiv(c, bs)]
             p = c - 1
             ids.append(req.all_token_ids[p])
             positions.append(p)
@@ -384,7 +389,7 @@ class TorchExecutor:
         slot_parts = [torch.tensor(slots, dtype=torch.long, device=dev)]
         for i, req, n, c in prefill:
             start = c - n
-            blocks = torch.tensor(get_blocks(req.request_id)[:cdiv(c, bs)], device=dev)
+            blocks = torch.tensor(block_tables[req.request_id][:cdiv(c, bs)], device=dev)
             pos = torch.arange(start, c, device=dev)
             slot_parts.append(blocks[pos // bs] * bs + pos % bs)
             chunks.append(PrefillChunk(len(ids), n, c, blocks,
@@ -401,84 +406,3 @@ class TorchExecutor:
                                num_decode, decode_blocks, lens, bias, chunks)
         return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch,
                 sample_rows, sample_reqs, sample_at)
-
-
-# -- wiring ---------------------------------------------------------------------------
-def build_torch_engine(config: EngineConfig, preset: str | None = None, model_path: str | None = None,
-                       device: str = "cpu", device_memory: int | None = None, seed: int = 0,
-                       dtype: str | None = None, num_threads: int | None = None,
-                       clock=None, own_process: bool = False) -> LLMEngine:
-    """An LLMEngine running a real model with the TorchExecutor.
-
-    config        the engine knobs (EngineConfig; unset ones take vLLM's defaults).
-    preset        a ModelSpec preset name with random weights from `seed`
-                  (default "tiny" when no model_path).
-    model_path    a local Hugging Face folder (config.json + *.safetensors, maybe
-                  sharded) of a Llama, Mistral or Qwen2 model; never downloaded.
-                  Its tokenizer.json is used when present. Wins over preset.
-    device        "cpu", "cuda", "cuda:N" or "auto" (cuda when available); a GPU
-                  preset name means "cuda". Raises ConfigError with a plain
-                  message when CUDA is asked for and absent.
-    device_memory bytes playing the device's total memory on the CPU (default
-                  2 GiB); on CUDA an optional cap below the real total.
-    seed          random weights (presets) and the sampler's unseeded draws.
-    dtype         override the model dtype: float32, bfloat16 or float16.
-    num_threads   torch intra-op threads (default $KVENGINE_NUM_THREADS or 1).
-    clock         default WallClock() (serving); pass a VirtualClock for replay.
-    own_process   the process serves this engine alone (the server's engine core):
-                  on the CPU, what it holds beside the weights counts against the budget.
-
-    The engine's executor (engine.executor) carries the tokenizer
-    (engine.executor.tokenizer) and the loaded model (engine.executor.model);
-    engine.eos_token_id is the model's (or the byte tokenizer's) eos id.
-    """
-    from .hf import generation_eos_ids, load_hf_state_dict, model_spec_from_hf
-    from .tokenizer import load_tokenizer
-
-    set_num_threads(num_threads)
-    torch_device = resolve_device(device)
-    if own_process and torch_device == "cpu":
-        tune_cpu_allocators()
-    if model_path is not None:
-        spec = model_spec_from_hf(model_path)
-    else:
-        spec = model_preset(preset or "tiny")
-    if dtype is not None:
-        if dtype not in TORCH_DTYPES:
-            raise ConfigError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
-        spec = _replace(spec, dtype=dtype)
-    device_spec = torch_device_spec(torch_device, device_memory)
-    if torch_device.startswith("cuda"):
-        _check_free_gpu_memory(torch_device, device_spec, config)
-    weights = load_hf_state_dict(model_path) if model_path else random_state_dict(spec, seed)
-    model = LlamaModel(spec, weights, torch_device)
-    del weights
-    eos = spec.eos_token_id
-    if model_path is not None and eos is None:
-        eos = next(iter(generation_eos_ids(model_path)), None)
-    tokenizer = load_tokenizer(model_path, spec.vocab_size, spec.bos_token_id, eos)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if own_process and torch_device == "cpu":  # all it holds beside the weights, loaders' leftovers too
-        device_spec = torch_device_spec(torch_device, device_memory, resident_bytes() - spec.weight_bytes)
-    executor = TorchExecutor(model, tokenizer, seed, profile_rss=own_process and torch_device == "cpu")
-    config = _replace(config, seed=seed) if config.seed != seed else config
-    return LLMEngine(config, spec, device_spec, executor=executor,
-                     clock=clock or WallClock(), eos_token_id=eos)
-
-
-def _replace(obj, **changes):
-    import dataclasses
-    return dataclasses.replace(obj, **changes)
-
-
-def _check_free_gpu_memory(device: str, spec: DeviceSpec, config: EngineConfig) -> None:
-    """vLLM refuses to start when other processes hold what utilization asks for."""
-    free, _ = torch.cuda.mem_get_info(torch.device(device))
-    requested = math.ceil(spec.memory_bytes * config.gpu_memory_utilization)
-    if config.num_gpu_blocks_override is None and free < requested:
-        raise ConfigError(
-            f"Free memory on device {device} ({free / GiB:.2f}/{spec.memory_bytes / GiB:.2f} GiB) "
-            f"on startup is less than desired GPU memory utilization "
-            f"({config.gpu_memory_utilization}, {requested / GiB:.2f} GiB). Decrease GPU memory "
-            "utilization or reduce GPU memory used by other processes.")

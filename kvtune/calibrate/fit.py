@@ -28,7 +28,8 @@ from kvengine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.cost import TIED_TO, CostCoefficients, StepCost
 from kvengine.engine import LLMEngine
-from kvengine.executor import SHAPE_FIELDS, STEP_SHAPE_FIELDS, SimExecutor
+from kvengine.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
+from kvengine.executor import SimExecutor
 from kvengine.request import SamplingParams
 
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
@@ -74,7 +75,7 @@ class _RecordingExecutor(SimExecutor):
 
     def __init__(self, cost: StepCost):
         super().__init__(cost)
-        self.shapes: list[tuple[int, ...]] = []  # executor.step_shape of each step
+        self.shapes: list[StepShape] = []  # cost.step_shape of each step
 
     def step_time(self, shape: tuple[int, ...]) -> float:
         self.shapes.append(shape)
@@ -117,7 +118,7 @@ def sim_config(server_config: EngineConfig, model: ModelSpec, runs: list[ProbeRu
 def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
                 config: EngineConfig, kernel: CostCoefficients | None = None) -> tuple[np.ndarray, list[Observation]]:
     """Replay each probe's first trial through the engine core: the table of distinct
-    step shapes (executor.step_shape, its attention pairs counted as `kernel`'s
+    step shapes (cost.step_shape, its attention pairs counted as `kernel`'s
     attention_key_block and context_chunk_all_keys say) and one Observation per timing."""
     table: dict[tuple, int] = {}
     observations = []
