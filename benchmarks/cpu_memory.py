@@ -23,7 +23,7 @@ import time
 import httpx
 import psutil
 
-from kvengine.flags import parse_size
+from kvengine.entrypoints.flags import parse_size
 from kvtune.targets.process import free_port
 
 UTILISATION = 0.92  # kvengine's default --gpu-memory-utilization

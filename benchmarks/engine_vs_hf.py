@@ -26,11 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig, model_preset
-from kvengine.model import random_state_dict
-from kvengine.request import SamplingParams
-from kvengine.torch_engine import build_torch_engine
+from kvengine.model.llama import random_state_dict
+from kvengine.core.request import SamplingParams
+from kvengine.engine.torch_engine import build_torch_engine
 
 
 def hf_model(spec, weights):

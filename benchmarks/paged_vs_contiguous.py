@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.engine import LLMEngine
-from kvengine.request import SamplingParams
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.core.request import SamplingParams
 from kvtune.workload import head, read_workload, workload_prompt_token_ids
 
 REPO = Path(__file__).resolve().parent.parent

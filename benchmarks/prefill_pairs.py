@@ -5,7 +5,7 @@ Times prefill steps of the bundled engine's torch executor (tiny, cpu, no HTTP) 
 n new tokens after c cached ones (a prefix hit), every case interleaved with the
 others and repeated, and fits time = a + b * n + k * pairs by least squares of the
 relative error, once per way of counting the attention's (query, key) pairs
-(kvengine.cost.kernel_pairs):
+(kvengine.executor.cost.kernel_pairs):
 
   causal         the pairs a causal mask keeps (the cost model's default)
   blocks         whole 512-key blocks up to each query's diagonal
@@ -30,10 +30,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 from kvengine.config import EngineConfig
-from kvengine.cost import torch_attention_kernel
-from kvengine.request import SamplingParams
-from kvengine.cost import kernel_pairs
-from kvengine.torch_engine import build_torch_engine
+from kvengine.executor.cost import torch_attention_kernel
+from kvengine.core.request import SamplingParams
+from kvengine.executor.cost import kernel_pairs
+from kvengine.engine.torch_engine import build_torch_engine
 
 FRESH = (16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 AFTER_CONTEXT = [(c, n) for c in (512, 1024, 2048) for n in (16, 64, 256, 512, 1024)]

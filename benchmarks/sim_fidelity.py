@@ -47,8 +47,8 @@ import numpy as np
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from kvengine.config import EngineConfig, model_preset
-from kvengine.flags import parse_size
-from kvengine.torch_executor import gpu_preset_name, resolve_device, torch_device_spec
+from kvengine.entrypoints.flags import parse_size
+from kvengine.executor.torch_executor import gpu_preset_name, resolve_device, torch_device_spec
 
 from kvtune.calibrate import calibrate_url, format_profile
 from kvtune.calibrate.probes import steady_itl, stream_request

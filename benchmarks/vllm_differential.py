@@ -27,10 +27,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvengine.blocks import KVCacheManager
+from kvengine.core.blocks import KVCacheManager
 from kvengine.config import EngineConfig
-from kvengine.request import Request, SamplingParams
-from kvengine.scheduler import Scheduler
+from kvengine.core.request import Request, SamplingParams
+from kvengine.core.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "benchmarks" / "vllm_step_driver.py"

@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvengine.blocks import KVCacheManager
+from kvengine.core.blocks import KVCacheManager
 from kvengine.config import EngineConfig
-from kvengine.request import Request, SamplingParams
-from kvengine.scheduler import Scheduler
+from kvengine.core.request import Request, SamplingParams
+from kvengine.core.scheduler import Scheduler
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRIVER = REPO.parent / "shared" / "tools" / "vllm_core" / "driver.py"

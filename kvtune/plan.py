@@ -1,4 +1,4 @@
-"""Capacity planning from the fault card's formulas, computed by kvengine.memory.
+"""Capacity planning from the fault card's formulas, computed by kvengine.core.memory.
 
     KV bytes per token = 2 (K and V) × layers × kv_heads × head_dim × bytes per element
     KV pool            = total × gpu_memory_utilization − weights − activation peak − overhead
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from kvengine.config import DTYPE_BYTES, DeviceSpec, EngineConfig, GiB, ModelSpec, device_preset, model_preset
-from kvengine.memory import kv_bytes_per_token, max_concurrency, plan_memory
+from kvengine.core.memory import kv_bytes_per_token, max_concurrency, plan_memory
 
 from .workload import Workload
 
@@ -85,7 +85,7 @@ def planned_model(choice: ModelChoice) -> PlannedModel:
 
 
 def _hf_model(path: str) -> ModelSpec:
-    from kvengine.hf import CheckpointError, model_spec_from_hf  # imports torch: only when asked
+    from kvengine.model.hf import CheckpointError, model_spec_from_hf  # imports torch: only when asked
 
     if not os.path.exists(path):
         raise ValueError(f"--hf-config {path}: no such file or folder")

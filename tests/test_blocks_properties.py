@@ -8,8 +8,8 @@ exactly those tokens; and after every request finishes all blocks are free.
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvengine.blocks import KVCacheManager
-from kvengine.request import Request
+from kvengine.core.blocks import KVCacheManager
+from kvengine.core.request import Request
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -9,11 +9,11 @@ import threading
 
 import numpy as np
 import pytest
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import StepShape, CostCoefficients, torch_attention_kernel
-from kvengine.engine import LLMEngine
-from kvengine.request import SamplingParams
+from kvengine.executor.cost import StepShape, CostCoefficients, torch_attention_kernel
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.core.request import SamplingParams
 
 from kvtune.cli.calibrate import add_calibrate_command
 from kvtune.calibrate import (
@@ -440,7 +440,7 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
     import sys
 
     from kvengine.config import device_preset, model_preset
-    from kvengine.cost import CostCoefficients, StepCost
+    from kvengine.executor.cost import CostCoefficients, StepCost
     from kvtune.calibrate import CalibrationProfile, save_profile
     from kvtune.workload import TraceRequest, Workload, write_workload
 
@@ -492,7 +492,7 @@ def test_a_loaded_prefix_probes_arrivals_hit_the_warm_prefix_amid_decodes(tmp_pa
     """Arrivals sharing a warm prefix while a batch decodes: on the live server each finds the
     prefix cached (its hit counter), and the replay prices their chunks as chunks after
     context, in the same steps as the batch's decodes."""
-    from kvengine.cost import STEP_SHAPE_FIELDS
+    from kvengine.executor.cost import STEP_SHAPE_FIELDS
     from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
     from kvtune.scrape import fetch, metrics_url, parse_exposition
     arrivals, prefix = 6, 256

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import CostCoefficients
+from kvengine.executor.cost import CostCoefficients
 from test_calibrate import DEVICE, KNOWN, MODEL, calibrate_cli, virtual_runs
 
 from kvtune.calibrate import design_probes, fit_coefficients, step_shapes

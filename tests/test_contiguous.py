@@ -1,8 +1,8 @@
 """The contiguous worst-case baseline behind the KV manager interface."""
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.contiguous import ContiguousKVCacheManager
-from kvengine.engine import LLMEngine
-from kvengine.request import Request, SamplingParams
+from kvengine.core.contiguous import ContiguousKVCacheManager
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.core.request import Request, SamplingParams
 
 
 def test_each_request_reserves_max_model_len_first_fit():

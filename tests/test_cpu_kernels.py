@@ -10,13 +10,13 @@ that does not build, the model keeps the torch paths and says why.
 """
 import pytest
 import torch
-from kvengine import cpu_kernels
-from kvengine.clock import VirtualClock
+from kvengine.model import cpu_kernels
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig
-from kvengine.kv_cache import PagedKVCache
-from kvengine.model import Int8GreedyHead, decode_bias
-from kvengine.request import SamplingParams
-from kvengine.torch_engine import build_torch_engine
+from kvengine.model.kv_cache import PagedKVCache
+from kvengine.model.llama import Int8GreedyHead, decode_bias
+from kvengine.core.request import SamplingParams
+from kvengine.engine.torch_engine import build_torch_engine
 
 kernels = cpu_kernels.load()
 kernel = kernels.attention if kernels else None

@@ -3,11 +3,11 @@ memory plan sized. Skipped where torch sees no GPU (CI); run on a GPU machine wi
 `python -m pytest tests/test_cuda.py`."""
 import pytest
 import torch
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import KV_CACHE_DTYPES, EngineConfig, GiB
-from kvengine.memory import kv_bytes_per_block
-from kvengine.request import SamplingParams
-from kvengine.torch_engine import build_torch_engine
+from kvengine.core.memory import kv_bytes_per_block
+from kvengine.core.request import SamplingParams
+from kvengine.engine.torch_engine import build_torch_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU that torch can see")
 

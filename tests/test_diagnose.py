@@ -1,7 +1,7 @@
 """The fault rules, each against a sim run built to cause its fault (and a healthy run that causes none).
 
 Every run replays in virtual time on the bundled engine core.
-The expected fixes are recomputed here from the run and kvengine.memory, never
+The expected fixes are recomputed here from the run and kvengine.core.memory, never
 copied from the rule's output.
 """
 import dataclasses
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.memory import max_concurrency, plan_memory
+from kvengine.core.memory import max_concurrency, plan_memory
 from kvtune.diagnose import INSUFFICIENT_DATA, Thresholds, diagnose
 from kvtune.diagnose.report import format_diagnoses
 from kvtune.results import RunResult

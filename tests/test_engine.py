@@ -4,12 +4,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import STEP_SHAPE_FIELDS, CostCoefficients, StepCost, StepShape, kernel_pairs, torch_attention_kernel
-from kvengine.engine import LLMEngine
-from kvengine.request import PromptTooLongError, SamplingParams
-from kvengine.stats import request_timings
+from kvengine.executor.cost import STEP_SHAPE_FIELDS, CostCoefficients, StepCost, StepShape, kernel_pairs, torch_attention_kernel
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.core.request import PromptTooLongError, SamplingParams
+from kvengine.metrics.stats import request_timings
 
 MODEL, DEVICE = model_preset("llama-3-8b"), device_preset("h100-80gb")
 

@@ -1,10 +1,10 @@
 """Bugs that small vLLM clones shipped, pinned down."""
 import pytest
 
-from kvengine.blocks import BlockHashToBlockMap, BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
+from kvengine.core.blocks import BlockHashToBlockMap, BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
 from kvengine.config import EngineConfig
-from kvengine.request import Request, SamplingParams
-from kvengine.scheduler import Scheduler
+from kvengine.core.request import Request, SamplingParams
+from kvengine.core.scheduler import Scheduler
 
 
 def admit(kv, rid, prompt):

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from kvengine.config import GiB, EngineConfig, ConfigError, device_preset, model_preset
-from kvengine.memory import (KVCacheMemoryError, kv_bytes_per_block, kv_bytes_per_token,
+from kvengine.core.memory import (KVCacheMemoryError, kv_bytes_per_block, kv_bytes_per_token,
                              max_concurrency, plan_memory)
 
 

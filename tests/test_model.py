@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hfmodels import hf_greedy, hf_logits, random_prompts, save_checkpoint
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig
-from kvengine.hf import CheckpointError, model_spec_from_hf
-from kvengine.request import SamplingParams
-from kvengine.torch_engine import build_torch_engine
+from kvengine.model.hf import CheckpointError, model_spec_from_hf
+from kvengine.core.request import SamplingParams
+from kvengine.engine.torch_engine import build_torch_engine
 
 N = 24  # generated tokens per request
 GREEDY = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)

@@ -12,10 +12,10 @@ measure; the teacher-forced numbers are the stable ones. Printed with -s.
 """
 import pytest
 import torch
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig
-from kvengine.request import SamplingParams
-from kvengine.torch_engine import build_torch_engine
+from kvengine.core.request import SamplingParams
+from kvengine.engine.torch_engine import build_torch_engine
 
 N = 256
 PROMPT = torch.randint(3, 32000, (64,), generator=torch.Generator().manual_seed(7)).tolist()

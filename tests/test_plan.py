@@ -4,7 +4,7 @@ import json
 
 import pytest
 from kvengine.config import EngineConfig, GiB, device_preset, model_preset
-from kvengine.memory import plan_memory
+from kvengine.core.memory import plan_memory
 
 from kvtune.plan import (
     ServerPool,

@@ -11,7 +11,7 @@ import sys
 import optuna
 import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.flags import add_engine_flags, add_model_flags, config_from_args
+from kvengine.entrypoints.flags import add_engine_flags, add_model_flags, config_from_args
 
 from kvtune.plan import plan_capacity
 from kvtune.cli.report import add_report_command

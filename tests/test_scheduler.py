@@ -3,11 +3,11 @@ import random
 
 import pytest
 
-from kvengine.blocks import KVCacheManager
+from kvengine.core.blocks import KVCacheManager
 from kvengine.config import EngineConfig
-from kvengine.cost import causal_pairs, kernel_pairs
-from kvengine.request import Request, RequestStatus, SamplingParams
-from kvengine.scheduler import Scheduler
+from kvengine.executor.cost import causal_pairs, kernel_pairs
+from kvengine.core.request import Request, RequestStatus, SamplingParams
+from kvengine.core.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, **kw):

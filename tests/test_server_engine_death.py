@@ -8,15 +8,15 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
-from kvengine.clock import WallClock
+from kvengine.engine.clock import WallClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import StepCost
-from kvengine.engine import LLMEngine
-from kvengine.executor import SimExecutor
-from kvengine.client import EngineClient
-from kvengine.metrics import EngineMetrics
-from kvengine.server import ServerState, create_app
-from kvengine.tokenizer import ByteTokenizer
+from kvengine.executor.cost import StepCost
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.executor.abstract import SimExecutor
+from kvengine.engine.core_client import EngineClient
+from kvengine.metrics.prometheus import EngineMetrics
+from kvengine.entrypoints.server import ServerState, create_app
+from kvengine.model.tokenizer import ByteTokenizer
 from serverproc import free_port
 
 

@@ -62,8 +62,8 @@ def test_the_pool_leaves_the_process_within_its_memory_budget():
     import psutil
 
     from kvengine.config import EngineConfig, model_preset
-    from kvengine.memory import activation_peak_bytes, kv_bytes_per_block
-    from kvengine.torch_executor import torch_device_spec
+    from kvengine.core.memory import activation_peak_bytes, kv_bytes_per_block
+    from kvengine.executor.torch_executor import torch_device_spec
     proc = ServerProcess("--executor", "torch", "--preset", "tiny", "--device", "cpu", "--device-memory", "1GiB",
                          "--max-model-len", "1024", timeout=120)
     try:
@@ -84,7 +84,7 @@ def test_the_pool_leaves_the_process_within_its_memory_budget():
 MEASURE = """
 import json, math
 from kvengine.config import EngineConfig
-from kvengine.torch_engine import build_torch_engine
+from kvengine.engine.torch_engine import build_torch_engine
 e = build_torch_engine(EngineConfig(max_model_len=1024), preset="tiny", device="cpu",
                        device_memory=1 << 30, own_process=True)
 m = e.memory

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import StepShape, StepCost
+from kvengine.executor.cost import StepShape, StepCost
 from kvtune.results import RunResult
 from kvtune.targets import SimTarget, TargetStartError
 from kvtune.workload import TraceRequest, Workload, write_workload

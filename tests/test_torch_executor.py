@@ -5,17 +5,17 @@ import json
 
 import pytest
 import torch
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, GiB, ModelSpec
-from kvengine.engine import LLMEngine
-from kvengine.kv_cache import PagedKVCache
-from kvengine.memory import activation_peak_bytes, kv_bytes_per_block
-from kvengine.model import GreedyHead, LlamaModel, random_state_dict
-from kvengine.request import SamplingParams
-from kvengine.sampling import Sampler, apply_top_k_top_p
-from kvengine.tokenizer import ByteTokenizer, HFTokenizer
-from kvengine.torch_engine import build_torch_engine
-from kvengine.torch_executor import (
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.model.kv_cache import PagedKVCache
+from kvengine.core.memory import activation_peak_bytes, kv_bytes_per_block
+from kvengine.model.llama import GreedyHead, LlamaModel, random_state_dict
+from kvengine.core.request import SamplingParams
+from kvengine.model.sampling import Sampler, apply_top_k_top_p
+from kvengine.model.tokenizer import ByteTokenizer, HFTokenizer
+from kvengine.engine.torch_engine import build_torch_engine
+from kvengine.executor.torch_executor import (
     TorchExecutor,
     resolve_device,
     set_num_threads,
@@ -193,7 +193,7 @@ def test_unseeded_sampling_follows_the_engine_seed():
 
 
 def test_sampled_frequencies_follow_the_distribution():
-    from kvengine.request import Request
+    from kvengine.core.request import Request
 
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).repeat(4000, 1)
 

@@ -16,11 +16,11 @@ import pytest
 
 from checkpoint import write_tiny_llama
 from kvengine.__main__ import build_parser
-from kvengine.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from kvengine.entrypoints.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from kvengine.config import DEVICE_PRESETS, EngineConfig, model_preset
-from kvengine.flags import config_from_args, launch_flags
-from kvengine.protocol import render_chat
-from kvengine.torch_executor import torch_device_spec
+from kvengine.entrypoints.flags import config_from_args, launch_flags
+from kvengine.entrypoints.protocol import render_chat
+from kvengine.executor.torch_executor import torch_device_spec
 from serverproc import ServerProcess, scrape
 
 MAX_LEN = 512

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvengine.blocks import KVCacheManager
-from kvengine.request import Request
+from kvengine.core.blocks import KVCacheManager
+from kvengine.core.request import Request
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDED = sorted((Path(__file__).resolve().parent / "data" / "vllm_differential").glob("*.json"))

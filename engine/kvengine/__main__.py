@@ -6,9 +6,9 @@ import dataclasses
 import json
 import sys
 
-from .config import DEVICE_PRESETS, GiB, MODEL_PRESETS, ConfigError
-from .flags import add_engine_flags, add_model_flags, add_serve_flags, config_from_args, specs_from_args
-from .memory import KVCacheMemoryError, kv_bytes_per_token, plan_memory
+from kvengine.config import DEVICE_PRESETS, GiB, MODEL_PRESETS, ConfigError
+from kvengine.entrypoints.flags import add_engine_flags, add_model_flags, add_serve_flags, config_from_args, specs_from_args
+from kvengine.core.memory import KVCacheMemoryError, kv_bytes_per_token, plan_memory
 
 
 def cmd_plan(args) -> int:
@@ -60,7 +60,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from .serve import serve
+    from kvengine.entrypoints.serve import serve
     return serve(args)
 
 

@@ -1,4 +1,4 @@
-"""Fit kvengine.cost's coefficients to the probes' timings by least squares.
+"""Fit kvengine.executor.cost's coefficients to the probes' timings by least squares.
 
 Each observed timing is a weighted sum of engine steps: a TTFT is the steps from
 the request's arrival to its first token (for a loaded probe, half the step it
@@ -24,13 +24,13 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.clock import VirtualClock
+from kvengine.engine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.cost import TIED_TO, CostCoefficients, StepCost
-from kvengine.engine import LLMEngine
-from kvengine.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
-from kvengine.executor import SimExecutor
-from kvengine.request import SamplingParams
+from kvengine.executor.cost import TIED_TO, CostCoefficients, StepCost
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.executor.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
+from kvengine.executor.abstract import SimExecutor
+from kvengine.core.request import SamplingParams
 
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
-from kvengine.cost import TIED_TO, CostCoefficients
+from kvengine.executor.cost import TIED_TO, CostCoefficients
 
 from ..store import Store, StoreError, missing_database, resolve_db_url
 from ..targets.sim import SimTarget

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.cost import TIED_TO, CostCoefficients, torch_attention_kernel
+from kvengine.executor.cost import TIED_TO, CostCoefficients, torch_attention_kernel
 
 from .fit import RMS_LIMIT, FitRefusedError, bound_side, degenerate_reasons, fit_coefficients, step_shapes, unseen
 from .probes import ProbeOptions, ServerInfo, design_probes, run_probes, server_info, speed_drift

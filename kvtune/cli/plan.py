@@ -6,8 +6,8 @@ import json
 import sys
 
 from kvengine.config import (DEVICE_PRESETS, DTYPE_BYTES, MODEL_PRESETS, ConfigError, EngineConfig, GiB)
-from kvengine.flags import parse_size
-from kvengine.memory import KVCacheMemoryError
+from kvengine.entrypoints.flags import parse_size
+from kvengine.core.memory import KVCacheMemoryError
 
 from .commands import COMMANDS
 from ..plan import CapacityPlan, ModelChoice, plan_capacity, planned_device, planned_model, workload_contexts
@@ -20,7 +20,7 @@ KiB = 1 << 10
 def add_plan_command(subparsers) -> None:
     p = subparsers.add_parser(
         "plan", help=COMMANDS["plan"].help,
-        description="Capacity planning from the fault card's formulas (kvengine.memory): KV bytes per token, "
+        description="Capacity planning from the fault card's formulas (kvengine.core.memory): KV bytes per token, "
                     "the KV pool at a gpu_memory_utilization, the tokens that fit and the requests that fit at "
                     "given context lengths, with fp8 K/V side by side and a contiguous worst-case reservation "
                     "at max_model_len for comparison.")

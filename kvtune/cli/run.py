@@ -6,7 +6,7 @@ import json
 import sys
 
 from kvengine.config import device_preset, model_preset
-from kvengine.flags import add_engine_flags, config_from_args, parse_size
+from kvengine.entrypoints.flags import add_engine_flags, config_from_args, parse_size
 
 from .commands import COMMANDS
 from .args import add_db_argument

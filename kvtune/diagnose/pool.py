@@ -2,7 +2,7 @@
 
 A live server reports `num_gpu_blocks` in vllm:cache_config_info (kept in the
 run's config); a sim run is re-planned from its model and device presets with
-kvengine.memory, the same arithmetic the engine used to size its pool.
+kvengine.core.memory, the same arithmetic the engine used to size its pool.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvengine.config import ConfigError, DeviceSpec, ModelSpec, device_preset, model_preset
-from kvengine.memory import KVCacheMemoryError, kv_bytes_per_token, max_concurrency, plan_memory
+from kvengine.core.memory import KVCacheMemoryError, kv_bytes_per_token, max_concurrency, plan_memory
 
 from ..results import RunResult
 from ..targets.sim import engine_config
@@ -51,7 +51,7 @@ def pool_of(result: RunResult) -> Pool | None:
 
 
 def replan(result: RunResult, **changes) -> Pool | None:
-    """The pool kvengine.memory plans for the run's presets and config, with `changes` applied."""
+    """The pool kvengine.core.memory plans for the run's presets and config, with `changes` applied."""
     found = specs(result)
     if found is None:
         return None

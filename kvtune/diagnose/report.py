@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from kvengine.memory import max_concurrency
+from kvengine.core.memory import max_concurrency
 
 from ..results import RunResult
 from .facts import RunFacts

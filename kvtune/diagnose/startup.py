@@ -8,7 +8,7 @@ memory; a value the server refuses (a block size its attention backend does not
 take, a dtype it does not know) is START, with the value it takes where the line
 tells it; anything else is no fault of the KV cache (run.py).
 
-The F5 fix is computed with kvengine.memory where the run names model and
+The F5 fix is computed with kvengine.core.memory where the run names model and
 device presets (the smallest utilisation or batch budget that starts), else it
 follows the fault card's rules of thumb and the numbers in the line itself.
 """
@@ -19,7 +19,7 @@ import re
 
 import numpy as np
 from kvengine.config import ConfigError, GiB
-from kvengine.memory import KVCacheMemoryError, activation_peak_bytes, plan_memory
+from kvengine.core.memory import KVCacheMemoryError, activation_peak_bytes, plan_memory
 
 from ..results import RunResult
 from ..targets.startlog import is_wrapper, read_log, root_cause

@@ -18,7 +18,7 @@ from kvengine.config import (
     device_preset,
     model_preset,
 )
-from kvengine.memory import KVCacheMemoryError
+from kvengine.core.memory import KVCacheMemoryError
 
 from ..plan import (
     WORKLOAD_QUANTILES,

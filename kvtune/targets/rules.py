@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, GiB, EngineConfig
-from kvengine.flags import parse_size
+from kvengine.entrypoints.flags import parse_size
 
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 VLLM_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
-from kvengine.flags import launch_flags
+from kvengine.entrypoints.flags import launch_flags
 
 from ..results import RunResult
 from ..workload import Workload

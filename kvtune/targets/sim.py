@@ -17,11 +17,11 @@ import time
 import numpy as np
 
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.cost import CostCoefficients
-from kvengine.engine import LLMEngine
-from kvengine.memory import KVCacheMemoryError
-from kvengine.request import Request, SamplingParams
-from kvengine.stats import request_timings
+from kvengine.executor.cost import CostCoefficients
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.core.memory import KVCacheMemoryError
+from kvengine.core.request import Request, SamplingParams
+from kvengine.metrics.stats import request_timings
 
 from ..results import RequestRecord, RunResult, summarize
 from ..workload import Workload, workload_prompt_token_ids, workload_stats

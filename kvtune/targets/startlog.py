@@ -20,7 +20,7 @@ import re
 
 # `(EngineCore_DP0 pid=123) ` in front of every line a vLLM process prints
 _PROCESS = r"(?:\([\w.\-]+ pid=\d+\)\s+)?"
-# `ERROR 12-01 09:44:48 [core.py:1510] ` (vLLM) or `ERROR kvengine.serve: ` (kvengine, logging's basicConfig)
+# `ERROR 12-01 09:44:48 [core.py:1510] ` (vLLM) or `ERROR kvengine.entrypoints.serve: ` (kvengine, logging's basicConfig)
 _LEVEL = (r"(?P<level>DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)"
           r"(?:\s+\d\d-\d\d\s+\d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?|\s+[\w.]+:\s|:\s+)")
 _PREFIX = re.compile(rf"^{_PROCESS}(?:{_LEVEL})?")

@@ -1,6 +1,6 @@
 """Planner page: what fits in the KV cache of a model on a device, against a contiguous reservation.
 
-The same computation as `kvtune plan` (kvtune.plan over kvengine.memory), with
+The same computation as `kvtune plan` (kvtune.plan over kvengine.core.memory), with
 the command's own model and device builders (kvtune.plan's), so both always agree.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvengine.config import (
     EngineConfig,
     GiB,
 )
-from kvengine.memory import KVCacheMemoryError
+from kvengine.core.memory import KVCacheMemoryError
 
 from kvtune.plan import CapacityPlan, ModelChoice, plan_capacity, planned_device, planned_model
 from kvtune.report import fmt

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from .blocks import PrefixCacheStats
-from .request import Request
+from kvengine.core.blocks import PrefixCacheStats
+from kvengine.core.request import Request
 
 
 class KVManager(Protocol):

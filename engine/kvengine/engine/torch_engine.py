@@ -14,11 +14,11 @@ import math
 
 import torch
 
-from .clock import WallClock
-from .config import ConfigError, DeviceSpec, EngineConfig, GiB, model_preset
-from .engine import LLMEngine
-from .model import TORCH_DTYPES, LlamaModel, random_state_dict
-from .torch_executor import (
+from kvengine.engine.clock import WallClock
+from kvengine.config import ConfigError, DeviceSpec, EngineConfig, GiB, model_preset
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.model.llama import TORCH_DTYPES, LlamaModel, random_state_dict
+from kvengine.executor.torch_executor import (
     TorchExecutor,
     resident_bytes,
     resolve_device,
@@ -56,8 +56,8 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
     (engine.executor.tokenizer) and the loaded model (engine.executor.model);
     engine.eos_token_id is the model's (or the byte tokenizer's) eos id.
     """
-    from .hf import generation_eos_ids, load_hf_state_dict, model_spec_from_hf
-    from .tokenizer import load_tokenizer
+    from kvengine.model.hf import generation_eos_ids, load_hf_state_dict, model_spec_from_hf
+    from kvengine.model.tokenizer import load_tokenizer
 
     set_num_threads(num_threads)
     torch_device = resolve_device(device)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .request import Request, SamplingParams
+from kvengine.core.request import Request, SamplingParams
 
 SAMPLING_EPS = 1e-5
 

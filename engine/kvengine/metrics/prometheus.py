@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .outputs import CoreOutputs, EngineInfo, FinishedRequestStats, IterationStats, SchedulerStats
+from kvengine.engine.outputs import CoreOutputs, EngineInfo, FinishedRequestStats, IterationStats, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

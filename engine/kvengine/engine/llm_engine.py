@@ -5,16 +5,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from .blocks import KVCacheManager
-from .clock import VirtualClock, WallClock
-from .config import DeviceSpec, EngineConfig, ModelSpec
-from .contiguous import ContiguousKVCacheManager
-from .cost import CostCoefficients, StepCost
-from .executor import Executor, SimExecutor
-from .kv_manager import KVManager
-from .memory import MemoryPlan, plan_memory
-from .request import Request, RequestStatus, SamplingParams, check_prompt
-from .scheduler import Scheduler
+from kvengine.core.blocks import KVCacheManager
+from kvengine.engine.clock import VirtualClock, WallClock
+from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
+from kvengine.core.contiguous import ContiguousKVCacheManager
+from kvengine.executor.cost import CostCoefficients, StepCost
+from kvengine.executor.abstract import Executor, SimExecutor
+from kvengine.core.kv_manager import KVManager
+from kvengine.core.memory import MemoryPlan, plan_memory
+from kvengine.core.request import Request, RequestStatus, SamplingParams, check_prompt
+from kvengine.core.scheduler import Scheduler
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .request import SamplingParams
+from kvengine.core.request import SamplingParams
 
 ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 409: "ConflictError",
                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}

@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .blocks import cdiv
-from .config import (
+from kvengine.core.blocks import cdiv
+from kvengine.config import (
     DEVICE_PRESETS,
     ConfigError,
     DeviceSpec,
@@ -38,20 +38,20 @@ from .config import (
     GiB,
     ModelSpec,
 )
-from .executor import ExecutorOutput
-from .kv_cache import PagedKVCache
-from .kv_manager import KVManager
-from .memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
-from .model import (
+from kvengine.executor.abstract import ExecutorOutput
+from kvengine.model.kv_cache import PagedKVCache
+from kvengine.core.kv_manager import KVManager
+from kvengine.core.memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
+from kvengine.model.llama import (
     AttentionBatch,
     LlamaModel,
     PrefillChunk,
     decode_bias,
     prefill_mask,
 )
-from .request import SamplingParams
-from .sampling import Sampler, is_greedy
-from .scheduler import SchedulerOutput
+from kvengine.core.request import SamplingParams
+from kvengine.model.sampling import Sampler, is_greedy
+from kvengine.core.scheduler import SchedulerOutput
 
 DEFAULT_CPU_MEMORY = 2 * GiB
 THREADS_ENV = "KVENGINE_NUM_THREADS"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .config import EngineConfig
-from .request import Request
-from .stats import RequestTimings, request_timings
+from kvengine.config import EngineConfig
+from kvengine.core.request import Request
+from kvengine.metrics.stats import RequestTimings, request_timings
 
 
 @dataclass(slots=True)

@@ -9,16 +9,16 @@ import os
 import sys
 import threading
 
-from .chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from .clock import WallClock
-from .config import ConfigError, device_preset, model_preset
-from .cost import CostCoefficients, check_ranges
-from .engine import LLMEngine
-from .flags import config_from_args, limits_from_args
-from .client import EngineClient
-from .core import GIL_SWITCH_INTERVAL_S
-from .metrics import EngineMetrics
-from .server import ServerState, create_app, timed_protocol
+from kvengine.entrypoints.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from kvengine.engine.clock import WallClock
+from kvengine.config import ConfigError, device_preset, model_preset
+from kvengine.executor.cost import CostCoefficients, check_ranges
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.entrypoints.flags import config_from_args, limits_from_args
+from kvengine.engine.core_client import EngineClient
+from kvengine.engine.core import GIL_SWITCH_INTERVAL_S
+from kvengine.metrics.prometheus import EngineMetrics
+from kvengine.entrypoints.server import ServerState, create_app, timed_protocol
 
 # After the engine core dies, in-flight streams get their 503 error chunk; a connection still
 # open this long after is cut, so the exit (and the supervisor's restart) comes promptly.
@@ -55,7 +55,7 @@ def build_engine(args):
             raise ConfigError("--model needs --executor torch: the sim executor runs no weights")
         device = device_preset(args.device)
         model = model_preset(args.preset)
-        from .tokenizer import ByteTokenizer
+        from kvengine.model.tokenizer import ByteTokenizer
         tokenizer = ByteTokenizer(model.vocab_size)
         engine = LLMEngine(config, model, device, clock=WallClock(), record_steps=False,
                            eos_token_id=tokenizer.eos_token_id,
@@ -63,8 +63,8 @@ def build_engine(args):
         return engine, tokenizer, model.name
     if args.cost_profile:
         raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
-    from .hf import CheckpointError
-    from .torch_engine import build_torch_engine
+    from kvengine.model.hf import CheckpointError
+    from kvengine.engine.torch_engine import build_torch_engine
     try:
         engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
                                     device_memory=args.device_memory, seed=args.seed, own_process=True)
@@ -102,7 +102,7 @@ def serve(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("kvengine.serve")
+    log = logging.getLogger("kvengine.entrypoints.serve")
     state = build_state(args)
     for line in state.engine.info.memory_log_lines:
         log.info(line)

@@ -17,11 +17,11 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .core import run_engine_core
-from .outputs import CoreOutputs, EngineInfo
-from .request import RequestStatus, SamplingParams
+from kvengine.engine.core import run_engine_core
+from kvengine.engine.outputs import CoreOutputs, EngineInfo
+from kvengine.core.request import RequestStatus, SamplingParams
 
-log = logging.getLogger("kvengine.client")
+log = logging.getLogger("kvengine.engine.core_client")
 
 
 @dataclass(slots=True)

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import DeviceSpec, ModelSpec
-from .memory import kv_bytes_per_token
+from kvengine.config import DeviceSpec, ModelSpec
+from kvengine.core.memory import kv_bytes_per_token
 
 if TYPE_CHECKING:
-    from .scheduler import SchedulerOutput
+    from kvengine.core.scheduler import SchedulerOutput
 
 
 # The coefficients that may be None: then they take the value of the one named here.

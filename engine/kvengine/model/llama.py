@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .config import ModelSpec
-from .kv_cache import PagedKVCache
-from .sampling import argmax as _argmax
+from kvengine.model import cpu_kernels
+from kvengine.config import ModelSpec
+from kvengine.model.kv_cache import PagedKVCache
+from kvengine.model.sampling import argmax as _argmax
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from .config import EngineConfig
-from .cost import StepCost, StepShape, step_shape
-from .kv_manager import KVManager
-from .scheduler import SchedulerOutput
+from kvengine.config import EngineConfig
+from kvengine.executor.cost import StepCost, StepShape, step_shape
+from kvengine.core.kv_manager import KVManager
+from kvengine.core.scheduler import SchedulerOutput
 
 # Pseudo tokens stay inside the id range every common tokenizer accepts and
 # never hit special tokens (so the simulator never emits EOS).

@@ -22,17 +22,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from . import __version__
-from .chat_template import ChatTemplate
-from .client import EngineClient, Event
-from .limits import (REQUEST_READ_TIMEOUT_S, ServerLimits, check_capacity, check_max_tokens, check_n,
+from kvengine import __version__
+from kvengine.entrypoints.chat_template import ChatTemplate
+from kvengine.engine.core_client import EngineClient, Event
+from kvengine.entrypoints.limits import (REQUEST_READ_TIMEOUT_S, ServerLimits, check_capacity, check_max_tokens, check_n,
                      check_prompt_length, clamp_max_tokens)
-from .metrics import CONTENT_TYPE
-from .protocol import (APIError, GenerationRequest, bad, new_id, now_s, parse_chat, parse_completion,
+from kvengine.metrics.prometheus import CONTENT_TYPE
+from kvengine.entrypoints.protocol import (APIError, GenerationRequest, bad, new_id, now_s, parse_chat, parse_completion,
                        parse_json, render_chat, usage)
-from .request import RequestStatus
+from kvengine.core.request import RequestStatus
 
-log = logging.getLogger("kvengine.server")
+log = logging.getLogger("kvengine.entrypoints.server")
 
 
 class Detokenizer:

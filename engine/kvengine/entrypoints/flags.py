@@ -9,9 +9,9 @@ import argparse
 import dataclasses
 import re
 
-from .config import (BLOCK_SIZES, DEVICE_PRESETS, MODEL_PRESETS, EngineConfig,
+from kvengine.config import (BLOCK_SIZES, DEVICE_PRESETS, MODEL_PRESETS, EngineConfig,
                      device_preset, model_preset)
-from .limits import (MAX_N_SEQUENCES, MAX_NUM_QUEUED_REQS, MAX_REQUEST_BODY_BYTES, REQUEST_READ_TIMEOUT_S,
+from kvengine.entrypoints.limits import (MAX_N_SEQUENCES, MAX_NUM_QUEUED_REQS, MAX_REQUEST_BODY_BYTES, REQUEST_READ_TIMEOUT_S,
                      ServerLimits)
 
 

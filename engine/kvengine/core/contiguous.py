@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import bisect
 
-from .blocks import PrefixCacheStats, cdiv
-from .request import Request
+from kvengine.core.blocks import PrefixCacheStats, cdiv
+from kvengine.core.request import Request
 
 
 class ContiguousKVCacheManager:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .protocol import APIError
+from kvengine.entrypoints.protocol import APIError
 
 
 def _invalid(message: str, param: str, value) -> APIError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .request import Request
+from kvengine.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,11 @@ import threading
 import time
 import traceback
 
-from .config import ConfigError
-from .memory import KVCacheMemoryError
-from .outputs import CoreOutputs, EngineInfo, TokenOutput, finished_stats, iteration_stats, scheduler_stats
+from kvengine.config import ConfigError
+from kvengine.core.memory import KVCacheMemoryError
+from kvengine.engine.outputs import CoreOutputs, EngineInfo, TokenOutput, finished_stats, iteration_stats, scheduler_stats
 
-log = logging.getLogger("kvengine.core")
+log = logging.getLogger("kvengine.engine.core")
 
 # At Python's default 5 ms switch interval a thread that wakes (a command read off the
 # pipe, a stream's token) can wait up to 5 ms for the GIL behind a busy one.

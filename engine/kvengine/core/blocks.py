@@ -15,7 +15,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from .request import Request
+from kvengine.core.request import Request
 
 NONE_HASH = hashlib.sha256(b"kvengine:none-hash").digest()
 

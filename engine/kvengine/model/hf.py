@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .config import DTYPE_BYTES, ModelSpec
+from kvengine.config import DTYPE_BYTES, ModelSpec
 
 ARCHITECTURES = {
     "llama": "llama", "LlamaForCausalLM": "llama",

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .config import EngineConfig
-from .kv_manager import KVManager
-from .request import Request, RequestStatus
+from kvengine.config import EngineConfig
+from kvengine.core.kv_manager import KVManager
+from kvengine.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import GiB, DeviceSpec, EngineConfig, ModelSpec
+from kvengine.config import GiB, DeviceSpec, EngineConfig, ModelSpec
 
 
 class KVCacheMemoryError(RuntimeError):

@@ -1,0 +1,1 @@
+"""The command line and the OpenAI-compatible server: flags, limits, protocol, chat templates."""

@@ -1,0 +1,1 @@
+"""VLLM's Prometheus metrics and the latencies they are made of."""
