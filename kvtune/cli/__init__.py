@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 # never imported raised none, so none is imported to check.
 ERRORS = (("kvengine.config", "ConfigError"), ("kvtune.workload.errors", "TraceError"),
           ("kvtune.store", "StoreError"), ("kvtune.search.space", "SpaceError"),
-          ("kvtune.search.study", "StudyError"), ("kvtune.report.data", "ReportError"))
+          ("kvtune.search.study", "StudyError"), ("kvtune.search.results", "ReportError"))
 
 
 def _reported(err: BaseException) -> bool:

@@ -20,7 +20,7 @@ def add_report_command(subparsers) -> None:
 
 
 def cmd_report(args) -> int:
-    from ..report.data import ReportError
+    from ..search.results import ReportError
     from ..report.writer import write_report
     from ..store import StoreError, resolve_db_url
 

@@ -34,7 +34,7 @@ from ..results import RunResult
 from ..store import RunNotFoundError, Store, StoreError
 from ..targets.rules import CPU_KV_SPACE_ENV
 from ..workload import TraceError, read_workload
-from .data import RunView
+from ..search.results import RunView
 
 
 @dataclass

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .data import RunView
+from ..search.results import RunView
 from ..search.ranking import Measurement
 from .words import metric_label
 

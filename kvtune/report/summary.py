@@ -9,7 +9,7 @@ from collections import Counter
 
 from ..diagnose import Diagnosis
 from . import fmt
-from .data import ReportData
+from ..search.results import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
 from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, headline, where

@@ -18,6 +18,7 @@ from ..store import Store, StoreError
 from ..targets import SimTarget, TargetRunError, TargetStartError
 from ..workload import Workload, head
 from .objective import Objective
+from .results import ReportData, load_report_data
 from .slo import diagnosis_thresholds
 from .space import SearchSpace
 from .stage2 import DEFAULT_NUMBER, LiveConfig, LivePlan, LiveOutcome, default_params, representable, run_stage2
@@ -64,7 +65,7 @@ class SearchOutcome:
     study: str
     ranked: list  # stage 1's completed trials, best first
     feasible: list
-    data: object  # the report's ReportData: its verdict is the one ranking's
+    data: ReportData  # the study's results: its verdict is the one ranking's
 
 
 def run_search(req: SearchRequest, say: Callable[[str], None] = print,
@@ -149,8 +150,6 @@ def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
 def _stored_verdict(req: SearchRequest, store: Store, stage1: Stage1):
     """The report's data (its verdict is the one ranking's), once the stage-1 runs it shows are stored
     in full and diagnosed."""
-    from ..report.data import load_report_data
-
     data = load_report_data(req.db_url, req.study)
     shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
     if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full

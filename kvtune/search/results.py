@@ -1,4 +1,6 @@
-"""Everything a report says, read from the run store and the Optuna study (nothing is written back)."""
+"""A study's results as the search left them: its measurements from the run store and the Optuna
+study, and the one ranking's verdict over them. The report and the UI read this (nothing is written
+back); it lives with the search, so nothing upstream imports the report."""
 from __future__ import annotations
 
 import functools
@@ -9,12 +11,12 @@ import optuna
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 
 from ..results import RunResult
-from ..search.slo import SLO, SLOError, score, study_slos_from_attrs
-from ..search.stage2 import LIVE_LABEL, live_measurement
-from ..search.study import open_storage
-from ..search.validity import measured_on
+from .slo import SLO, SLOError, score, study_slos_from_attrs
+from .stage2 import LIVE_LABEL, live_measurement
+from .study import open_storage
+from .validity import measured_on
 from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
-from ..search.ranking import Candidate, Measurement, Verdict, choose
+from .ranking import Candidate, Measurement, Verdict, choose
 
 class ReportError(ValueError):
     """The study cannot be reported: its database is missing, or the study is unknown or empty."""
