@@ -31,7 +31,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-SIGNALS = STOP_SIGNALS
 STOPPED = "the servers it started are stopped"
 
 
@@ -70,7 +69,7 @@ def _deliver_again(signum: int) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(only=argv[0] if argv and argv[0] in COMMANDS else "").parse_args(argv)
-    previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
+    previous = {sig: signal.signal(sig, _on_signal) for sig in STOP_SIGNALS}
     previous_hook, sys.unraisablehook = sys.unraisablehook, _on_unraisable
     _Stop.signum, _Stop.redeliver = None, False
     try:

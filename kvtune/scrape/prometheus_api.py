@@ -29,7 +29,7 @@ import httpx
 
 from .log import ScrapeLog
 from .parse import Snapshot, parse_exposition
-from .scraper import ScrapeError, http_client
+from .scraper import HTTP_ERRORS, ScrapeError, http_client
 
 # Both spellings: a Prometheus 2 that negotiated OpenMetrics with prometheus-client stores `vllm_x`.
 NAMES = '__name__=~"(vllm|sglang|kvengine)[:_].+"'
@@ -128,7 +128,7 @@ def _api(base: str, path: str, params: dict, post: bool = False) -> dict:
             response = client.post(url, data=params) if post else client.get(url, params=params)
     except httpx.UnsupportedProtocol as e:
         raise ValueError(f"cannot reach Prometheus at {base}: {e}") from e
-    except (httpx.HTTPError, httpx.InvalidURL) as e:  # refused, timed out, reset
+    except HTTP_ERRORS as e:  # refused, timed out, reset
         raise ScrapeError(f"cannot reach Prometheus at {base}: {e}") from e
     answer = _json(response.content, url, status=response.status_code)
     if answer.get("status") != "success":

@@ -28,6 +28,10 @@ class ScrapeError(RuntimeError):
         self.retryable = retryable
 
 
+# Whatever a request through httpx can fail with: its transport and status errors, and a URL it cannot send to.
+HTTP_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
+
+
 def is_loopback(url: str) -> bool:
     return urllib.parse.urlsplit(url).hostname in LOOPBACK
 
@@ -65,7 +69,7 @@ def fetch(url: str, timeout_s: float = 5.0, client: httpx.Client | None = None) 
         raise ValueError(f"cannot scrape {url}: {e}") from e
     except httpx.TimeoutException as e:
         raise ScrapeError(f"{url} did not answer within {timeout_s:g} s") from e
-    except (httpx.HTTPError, httpx.InvalidURL) as e:  # refused, reset, a broken answer
+    except HTTP_ERRORS as e:  # refused, reset, a broken answer
         raise _connect_error(url, _reason(e)) from e
     if not response.is_success:
         raise ScrapeError(f"{url} answered HTTP {response.status_code} {response.reason_phrase}",

@@ -117,7 +117,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         say(nothing_feasible(ranked[0], slos))
     if live is not None:
         _stage2(req, live, ranked, dflt, space, base, store, say, on_live)
-    return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, store, stage1))
+    return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, store, stage1, say))
 
 
 def _check_live(req: SearchRequest, live, config: EngineConfig, say) -> None:
@@ -147,18 +147,18 @@ def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
         say(f"note: {note}")
 
 
-def _stored_verdict(req: SearchRequest, store: Store, stage1: Stage1):
+def _stored_verdict(req: SearchRequest, store: Store, stage1: Stage1, say):
     """The report's data (its verdict is the one ranking's), once the stage-1 runs it shows are stored
     in full and diagnosed."""
     data = load_report_data(req.db_url, req.study)
     shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
     if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
         data = load_report_data(req.db_url, req.study)
-    _diagnose_shown(store, data, Simulator.of(req.sim, req.workload, req.profile), req.objective.slos)
+    _diagnose_shown(store, data, Simulator.of(req.sim, req.workload, req.profile), req.objective.slos, say)
     return data
 
 
-def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
+def _diagnose_shown(store: Store, data, simulator: Simulator, slos, say) -> None:
     """The stage-1 runs the report shows are diagnosed once, here, with the study's SLOs (stage 2
     stored its own runs' diagnoses): the report and the UI read them."""
     thresholds = diagnosis_thresholds(list(slos))
@@ -169,7 +169,7 @@ def _diagnose_shown(store: Store, data, simulator: Simulator, slos) -> None:
             if not store.load_diagnoses(view.run_id):
                 store.save_diagnoses(view.run_id, diagnosed(view.result, thresholds, simulator, slos))
         except (StoreError, DBAPIError) as err:  # another worker of the study rewrote the run meanwhile
-            print(f"note: the diagnoses of run {view.run_id} were not stored ({str(err).splitlines()[0][:200]}); "
+            say(f"note: the diagnoses of run {view.run_id} were not stored ({str(err).splitlines()[0][:200]}); "
                   f"`kvtune diagnose --run {view.run_id}` works them out")
 
 

@@ -16,7 +16,7 @@ from kvengine.config import EngineConfig
 from ..loadgen import run_load
 from ..results import RequestRecord, RunResult, summarize
 from ..scrape import ScrapeError, ScrapeLog, Scraper
-from ..scrape.scraper import http_get
+from ..scrape.scraper import HTTP_ERRORS, http_get
 from ..workload import Workload, workload_stats, write_workload
 from .base import TargetRunError
 from . import hostcpu
@@ -39,10 +39,8 @@ class LiveOptions:
     on_samples: Callable[[list[tuple[float, str, float]]], None] | None = field(default=None, compare=False)
 
 
-# What the requests library called a ConnectionError (refused, reset, no answer at all, a proxy
-# that failed), and a RequestException (any of httpx's errors, a URL it cannot send to).
+# What the requests library called a ConnectionError: refused, reset, no answer at all, a proxy that failed.
 CONNECTION_ERRORS = (httpx.NetworkError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ProxyError)
-REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
 
 
 def raise_for_status(resp: httpx.Response) -> httpx.Response:
@@ -61,7 +59,7 @@ def served_model(url: str) -> str:
         return resp.json()["data"][0]["id"]
     except CONNECTION_ERRORS as err:
         raise TargetRunError(f"cannot connect to {url}: is a server listening there? ({err})") from None
-    except (*REQUEST_ERRORS, KeyError, IndexError, ValueError) as err:
+    except (*HTTP_ERRORS, KeyError, IndexError, ValueError) as err:
         raise TargetRunError(f"{url}/v1/models did not name a model: {err}") from None
 
 
@@ -70,7 +68,7 @@ def served_max_model_len(url: str) -> int | None:
     try:
         value = http_get(url + "/v1/models", timeout=5).json()["data"][0].get("max_model_len")
         return int(value) if value else None
-    except (*REQUEST_ERRORS, ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except (*HTTP_ERRORS, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
 
 
@@ -79,7 +77,7 @@ def server_version(url: str) -> str | None:
     try:
         resp = http_get(url + "/version", timeout=5)
         return str(resp.json()["version"]) if resp.status_code < 400 else None
-    except (*REQUEST_ERRORS, ValueError, KeyError, TypeError):
+    except (*HTTP_ERRORS, ValueError, KeyError, TypeError):
         return None
 
 
@@ -186,7 +184,7 @@ def server_watch(url: str, check_alive=None, refusals_dead: int = REFUSALS_DEAD)
             if refused >= refusals_dead:
                 raise TargetRunError(f"the server at {url} stopped answering during the run: "
                                      f"{refused} connections to it in a row were refused") from None
-        except REQUEST_ERRORS:
+        except HTTP_ERRORS:
             refused = 0
     return watch
 
@@ -194,7 +192,7 @@ def server_watch(url: str, check_alive=None, refusals_dead: int = REFUSALS_DEAD)
 def _check_still_serving(url: str) -> None:
     try:
         raise_for_status(http_get(url + "/health", timeout=10))
-    except REQUEST_ERRORS as err:
+    except HTTP_ERRORS as err:
         raise TargetRunError(f"the server at {url} stopped answering during the run ({err})") from None
 
 

@@ -13,9 +13,8 @@ import subprocess
 import tempfile
 import time
 
-import httpx
 
-from ..scrape.scraper import http_get
+from ..scrape.scraper import HTTP_ERRORS, http_get
 from ..stopping import spawn
 from .base import TargetRunError, TargetStartError
 from .startlog import log_tail, read_log, root_cause
@@ -92,7 +91,7 @@ class ManagedServer:
             try:
                 if http_get(self.url + "/health", timeout=2).status_code == 200:
                     return
-            except (httpx.HTTPError, httpx.InvalidURL):
+            except HTTP_ERRORS:
                 pass
             time.sleep(0.2)
         self.stop()
