@@ -9,7 +9,9 @@ tokens, prefix caching on). One run is 32 concurrent streaming requests of 128
 prompt token ids + 128 output tokens (greedy, ignore_eos) sent at once by an
 asyncio httpx client; the runs alternate kvengine, vLLM, kvengine, vLLM, ...
 (--repeats pairs, each pair on fresh prompts both servers get), after one
-untimed warm-up run each. Output tokens/s (all output tokens over first send to
+untimed warm-up run each; each run starts once both servers' processes are
+quiet (`wait_quiet`: vLLM's worker busy-polls for a second after its last
+request, on the core the two share). Output tokens/s (all output tokens over first send to
 last token), TTFT p50 and TPOT p50 ((last token - first token) / (tokens - 1))
 per run; the ratios kvengine/vLLM are taken per pair and shown as median
 (min-max over the pairs); also the share of greedy tokens the two agree on.
@@ -196,6 +198,39 @@ def engine_core_pid(server: ManagedServer) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def group_cpu_s(servers: list[ManagedServer]) -> float:
+    """CPU seconds used so far by every process of the servers' process groups."""
+    pgids = {os.getpgid(s.proc.pid) for s in servers if s.proc is not None and s.proc.poll() is None}
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids:  # field 5, pgrp
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(servers: list[ManagedServer], window_s: float = 0.3, limit_s: float = 20.0) -> float:
+    """Wait until no server uses more than a tenth of a core over `window_s`; returns the wait.
+
+    vLLM's worker keeps polling its shared-memory queue (sched_yield in a loop) for
+    a second after its last message (shm_broadcast's SpinCondition, busy_loop_s=1):
+    about a core-second on the pinned core both servers share, which would land on
+    the first second of the next kvengine run. Each run starts with both quiet."""
+    t0 = time.perf_counter()
+    used = group_cpu_s(servers)
+    while time.perf_counter() - t0 < limit_s:
+        time.sleep(window_s)
+        now = group_cpu_s(servers)
+        if now - used <= 0.1 * window_s:
+            break
+        used = now
+    return time.perf_counter() - t0
+
+
 def pin_process(pid: int, cpus: set[int]) -> int:
     """Every thread of `pid` onto `cpus`; returns how many threads were pinned."""
     n = 0
@@ -374,7 +409,8 @@ def speed_phase(tag: str, args, log_dir: str, running: list[ManagedServer], bind
             prompts = random_prompts(random.Random(f"{args.seed}-{rep}"), args.requests, args.prompt)
             for name, s in sides.items():  # kvengine, vLLM, kvengine, vLLM, ...
                 s.check_alive()
-                r = speed_run(s.url, prompts, args.output)
+                quiet_s = wait_quiet([kv, vl])
+                r = {**speed_run(s.url, prompts, args.output), "quiet_wait_s": quiet_s}
                 runs[name].append(r)
                 log(f"[{tag}] repeat {rep + 1}/{args.repeats} {name:8}: {r['tok_s']:7.0f} tok/s, "
                     f"TTFT p50 {r['ttft_p50_ms']:7.1f} ms, TPOT p50 {r['tpot_p50_ms']:6.2f} ms")

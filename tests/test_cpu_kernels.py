@@ -65,6 +65,35 @@ def test_kernel_equals_the_gathering_path(d, heads, kv_heads, block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("d,heads,kv_heads", [(16, 4, 4), (32, 8, 2), (64, 16, 2), (128, 8, 1)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_bf16_kernel_is_float32_attention_over_the_bf16_values(d, heads, kv_heads, block_size):
+    """bfloat16 K/V are widened exactly: the result is float32 attention over the same values."""
+    lens = [1, 3, 5, 17, 100]
+    cache, tables, lens_t = random_batch(lens, kv_heads, d, block_size, seed=d + block_size)
+    cache.data.copy_(cache.data.to(torch.bfloat16))  # float32 holding bf16 values
+    k16, v16 = (t.to(torch.bfloat16).contiguous() for t in cache.layer_kv(0))
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(2))
+    got = kernel(q, k16, v16, tables, lens_t, None, d ** -0.5)
+    assert got.dtype == torch.float32
+    want = torch_decode(q, cache, tables, lens_t, None, d ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_refuses_mixed_or_other_dtypes():
+    cache, tables, lens = random_batch([5], 2, 32, 8, seed=0)
+    k, v = cache.layer_kv(0)
+    q = torch.randn(1, 4, 32)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel(q, k.half(), v.half(), tables, lens, None, 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel(q, k.to(torch.bfloat16), v, tables, lens, None, 1.0)
+    with pytest.raises(ValueError, match="float32 query"):
+        kernel(q.to(torch.bfloat16), k, v, tables, lens, None, 1.0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("window", [1, 4, 7, 16, 1000])
 def test_kernel_sliding_window(window):
     lens = [2, 9, 16, 33, 50]
@@ -83,8 +112,9 @@ def test_kernel_refuses_shapes_it_was_not_built_for():
         kernel(torch.randn(1, 2, 48), *cache.layer_kv(0), tables, lens, None, 1.0)
 
 
-def _greedy_tokens(**config):
-    engine = build_torch_engine(EngineConfig(**config), preset="tiny", seed=3, clock=VirtualClock())
+def _greedy_tokens(dtype=None, **config):
+    engine = build_torch_engine(EngineConfig(**config), preset="tiny", seed=3, clock=VirtualClock(),
+                                dtype=dtype)
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(f"r{i}", torch.randint(3, 32000, (n,), generator=g).tolist(), sp)
@@ -182,3 +212,20 @@ def test_int8_head_flat_rows_are_computed_in_full():
     x = torch.randn(4, 16)
     assert Int8GreedyHead(w, kernels.greedy).argmax(x, full).tolist() == [0, 0, 0, 0]
     assert calls == [4]
+
+
+@needs_kernel
+def test_bf16_engine_decodes_through_the_kernel_and_stays_near_the_torch_path(monkeypatch):
+    """bf16 decode rows go through the kernel (float32 arithmetic, as vLLM's CPU attention); the
+    torch path rounds scores and probabilities to bf16, so tokens may part at near-ties only."""
+    engine, with_kernel = _greedy_tokens("bfloat16", block_size=8)
+    assert engine.executor.model.decode_kernel is not None
+    assert engine.executor.model.decodes_in_place(engine.executor.cache)
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    engine, without = _greedy_tokens("bfloat16", block_size=8)
+    assert engine.executor.model.decode_kernel is None
+    same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+               for x, y in zip(with_kernel, without))
+    assert [len(x) for x in with_kernel] == [12] * 4
+    assert same >= 36  # 44 of 48 here: one request parts at a near-tie
+    assert all(x[0] == y[0] for x, y in zip(with_kernel, without))  # prefill is the same code

@@ -63,11 +63,14 @@ class CpuKernels:
         self.greedy = GreedyInt8Kernel(lib) if lib.kvengine_greedy_supported() else None
 
 
+KV_DTYPES = (torch.float32, torch.bfloat16)  # what the decode kernel reads
+
+
 class DecodeAttentionKernel:
     def __init__(self, lib: ctypes.CDLL):
         self._fn = lib.kvengine_paged_decode_attention
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float]
+        self._fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
         self._supports = lib.kvengine_supports
         self._supports.restype = ctypes.c_int
         self._supports.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -78,13 +81,18 @@ class DecodeAttentionKernel:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, window: int | None,
                  scale: float) -> torch.Tensor:
-        """q [seqs, heads, dim]; k/v_cache [kv_heads, blocks, block_size, dim] (one layer);
-        tables [seqs, max_blocks] and lens [seqs] int64. Returns [seqs, heads, dim]."""
+        """q [seqs, heads, dim] float32; k/v_cache [kv_heads, blocks, block_size, dim] (one
+        layer), float32 or bfloat16; tables [seqs, max_blocks] and lens [seqs] int64.
+        Returns [seqs, heads, dim] float32."""
         S, H, d = q.shape
         hkv, num_blocks, bs, _ = k_cache.shape
+        if (q.dtype != torch.float32 or k_cache.dtype not in KV_DTYPES
+                or v_cache.dtype != k_cache.dtype):
+            raise ValueError("the CPU kernel takes a float32 query and float32 or bfloat16 K/V, "
+                             f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
         for t in (q, k_cache, v_cache):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("the CPU kernel takes contiguous float32 CPU tensors")
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("the CPU kernel takes contiguous CPU tensors")
         if tables.dtype != torch.int64 or lens.dtype != torch.int64:
             raise ValueError("block tables and lengths must be int64")
         # per call, not kept: engines in several threads share this object, and
@@ -94,7 +102,7 @@ class DecodeAttentionKernel:
         rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                       tables.contiguous().data_ptr(), lens.contiguous().data_ptr(),
                       out.data_ptr(), scratch.data_ptr(), S, H, hkv, d, num_blocks, bs,
-                      tables.shape[1], window or 0, scale)
+                      tables.shape[1], window or 0, scale, k_cache.dtype == torch.bfloat16)
         if rc != 0:
             raise ValueError(f"the CPU kernel has no instance for head_dim {d}, "
                              f"{H // hkv} query heads per kv head")

@@ -11,7 +11,7 @@ each layer
 
   1. q, k, v for all T rows; RoPE at each row's position;
   2. k, v go into the paged cache at each row's slot (block_id * block_size + offset);
-  3. decode rows: on the CPU (float32 K/V) the C++ kernel of cpu_kernels.py,
+  3. decode rows: on the CPU (float32 or bfloat16 K/V) the C++ kernel of cpu_kernels.py,
      reading K/V in place through the block tables; elsewhere one batched
      attention over their contexts, gathered from the cache through a padded
      block table, padding masked;
@@ -405,8 +405,9 @@ class Attention:
         """One query per request, all requests in one padded batch: [D, heads, dim]."""
         if batch.decode_bias is None:
             k, v = cache.layer_kv(self.layer)
-            return self.kernel(q.contiguous(), k, v, batch.decode_blocks, batch.decode_lens,
-                               self.window, self.scale)
+            out = self.kernel(q.float().contiguous(), k, v, batch.decode_blocks, batch.decode_lens,
+                              self.window, self.scale)
+            return out.to(q.dtype)
         D, hkv, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
         k, v = cache.gather(self.layer, batch.decode_blocks.view(-1))  # [hkv, D * L, d]
         k, v = k.view(hkv, D, -1, d), v.view(hkv, D, -1, d)
@@ -484,8 +485,8 @@ class LlamaModel:
         self.greedy_head = greedy_head(head, self.device, self.dtype, self.backend)
 
     def _decode_kernel(self):
-        """The CPU decode-attention kernel where it applies (float32 on the CPU), else None."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        """The CPU decode-attention kernel where it applies (float32 or bfloat16 on the CPU), else None."""
+        if self.device.type != "cpu" or self.dtype not in cpu_kernels.KV_DTYPES:
             return None
         kernels = cpu_kernels.load()
         group = self.spec.num_heads // self.spec.num_kv_heads
