@@ -208,6 +208,20 @@ def test_probe_plan_is_bounded_and_fits_the_context():
     assert all(p.prompt_len + p.max_tokens <= 512 for p in small.probes)
 
 
+def test_loaded_probes_shrink_their_background_to_fit_a_small_pool():
+    """A 1024-token pool (max-model-len 512): a background of 8 would need more KV than the pool
+    has, be preempted and stall, so the probe gets a background that fits, and no probe twice."""
+    for quick in (True, False):
+        roomy = design_probes(512, max_batch=128, quick=quick)
+        plan = design_probes(512, max_batch=128, pool_tokens=1024, quick=quick)
+        loaded = [p for p in plan.probes if p.background]
+        assert loaded and all(p.kv_tokens() <= 0.8 * 1024 for p in loaded)
+        assert any(p.kv_tokens() > 0.8 * 1024 for p in roomy.probes if p.background)
+        assert max(p.background for p in loaded) < max(p.background for p in roomy.probes)
+        assert len(set(loaded)) == len(loaded)
+        assert all(f"B={p.background} " in p.label for p in loaded)
+
+
 def decode_run(probe, gap_s: float, tokens: int = 24) -> ProbeRun:
     times = [0.01 + gap_s * i for i in range(tokens)]
     return ProbeRun(probe, [TrialRun(None, [[1]] * probe.batch, [RequestTiming(0.0, times)] * probe.batch)])

@@ -46,6 +46,8 @@ so the steps the server runs for probes are those it runs under load.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -150,6 +152,18 @@ class Probe:
         warmups = (1 if self.background else self.repeats) if self.prefix_len else 0
         return self.repeats * self.batch + warmups + self.background
 
+    def background_tokens(self) -> int:
+        """Tokens each background request is asked for: enough to outlast every arrival."""
+        return LOADED_FIRST + LOADED_SPACING * self.repeats + 4 * LOADED_SPACING
+
+    def kv_tokens(self) -> int:
+        """The most KV the probe holds at once: each batch request's whole context; for a loaded
+        probe the background's and two arrivals' (one answered, the next sent)."""
+        if not self.background:
+            return self.batch * (self.prompt_len + self.max_tokens)
+        return (sum(self.background_lens()) + self.background * self.background_tokens()
+                + 2 * (self.prompt_len + self.max_tokens))
+
     def background_lens(self) -> list[int]:
         """The background's prompt lengths: spread from 32 to background_len (uneven
         contexts, as real batches have)."""
@@ -242,7 +256,27 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
                                 (TTFT, ITL), prefix_len=prefix, warm_suffix=16, repeats=LOADED_ARRIVALS,
                                 background=b, background_len=bg_len))
     probes.append(drift_check)
-    return ProbePlan(probes)
+    plan, loaded = [], []
+    for probe in probes:
+        probe = _fit_pool(probe, 0.8 * room)
+        if probe is None or probe in loaded:  # a halved background may repeat another probe
+            continue
+        if probe.background:
+            loaded.append(probe)
+        plan.append(probe)
+    return ProbePlan(plan)
+
+
+def _fit_pool(probe: Probe, room: float) -> Probe | None:
+    """A loaded probe whose background would outgrow the pool gets a smaller background
+    (halved until it fits; None if none does): preempted, the background stalls while the
+    others finish, and the probe times recomputation, not the steps it designs."""
+    while probe.background and probe.kv_tokens() > room:
+        if probe.background == 1:
+            return None
+        b = probe.background // 2
+        probe = dataclasses.replace(probe, background=b, label=re.sub(r"B=\d+", f"B={b}", probe.label))
+    return probe
 
 
 def speed_drift(runs: list[ProbeRun]) -> dict | None:
@@ -570,7 +604,7 @@ async def _loaded_trial(client, model_name, probe: Probe, warm, rng, options) ->
     if warm is not None:  # alone first, so every arrival finds the prefix cached
         await stream_request(client, model_name, warm, 1)
     background = [fresh(n) for n in probe.background_lens()]
-    total = LOADED_FIRST + LOADED_SPACING * probe.repeats + 4 * LOADED_SPACING
+    total = probe.background_tokens()
     timings_bg = [RequestTiming(0.0) for _ in background]
     first = timings_bg[0]
     tasks = [asyncio.create_task(stream_request(client, model_name, p, total, t)) for p, t in zip(background, timings_bg)]
