@@ -22,6 +22,10 @@ A run is stored in one of two details (`save_run(..., detail=)`):
 
 `slim_runs` turns full runs into summary ones in place (a stage-1 trial that left
 the best few).
+
+A trial has one record: a stage-1 trial's is its Optuna trial (values, constraints,
+its run id and observed figures in the user attrs); a stage-2 candidate's (its
+repeats merged: score, SLO verdicts, reason) is its `kvtune_trials` row.
 """
 from __future__ import annotations
 

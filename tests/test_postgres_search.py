@@ -69,5 +69,4 @@ def test_two_search_workers_share_one_study_in_postgres(postgres, tmp_path):
     runs = Store(url).list_runs(study="shared", limit=1000)
     assert sorted(r.trial_number for r in runs) == sorted(measured)
     assert {t.user_attrs["run_id"] for t in counted if t.number in measured} == {r.id for r in runs}
-    trials = Store(url).list_trials("shared", stage="sim")
-    assert sorted(t.number for t in trials) == sorted(measured)
+    assert not Store(url).list_trials("shared")  # a stage-1 trial's one record is its Optuna trial

@@ -100,7 +100,7 @@ def test_a_run_stopped_while_its_server_answers(tmp_path, sig):
 def _complete_trials(db_path) -> int:
     try:
         with sqlite3.connect(db_path, timeout=5) as con:
-            return con.execute("SELECT count(*) FROM kvtune_trials WHERE state = 'COMPLETE'").fetchone()[0]
+            return con.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
     except sqlite3.OperationalError:  # not created yet
         return 0
 
@@ -130,10 +130,9 @@ def test_a_search_stopped_in_stage_1_resumes_to_exactly_the_trials_asked(tmp_pat
     assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     stopped = [t for t in study.trials if t.user_attrs.get("interrupted")]  # none if it came between trials
     assert len(stopped) <= 1 and all(t.state == optuna.trial.TrialState.FAIL for t in stopped)
-    rows = {r.number: r for r in Store(f"sqlite:///{db_path}").list_trials("k")}
     for t in stopped:
-        assert t.user_attrs["fail_reason"] == rows[t.number].reason == f"interrupted by {signal.Signals(sig).name}"
-        assert rows[t.number].state == "FAIL"
+        assert t.user_attrs["fail_reason"] == f"interrupted by {signal.Signals(sig).name}"
+    assert not Store(f"sqlite:///{db_path}").list_trials("k")  # stage 1's one record is Optuna's
 
     p = subprocess.run([sys.executable, "-m", "kvtune", *args], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)

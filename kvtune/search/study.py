@@ -198,6 +198,7 @@ class Stage1:
         self.on_trial = on_trial or (lambda record: None)
         self._enqueued: dict | None = None
         self._trial: optuna.Trial | None = None  # the trial this process runs (or ran last)
+        self._measured: Measurement | None = None  # what that trial measured, before Optuna is told
 
     def enqueue(self, params: dict) -> None:
         """A config to try first (vLLM's defaults), once per study."""
@@ -285,8 +286,9 @@ class Stage1:
             trial.set_user_attr("surplus", True)  # another process took the last slot
             self.study.stop()
             raise TrialFailed("surplus")
+        self._measured = None
         try:
-            record = self._run_trial(trial)
+            record = self._measured = self._run_trial(trial)
         except KeyboardInterrupt:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("fail_reason", "interrupted by SIGINT")
@@ -300,21 +302,20 @@ class Stage1:
         return sum(1 for t in self.study.get_trials(deepcopy=False) if t.number < number and counts(t))
 
     def _fail_interrupted(self, err: BaseException) -> None:
-        """End the trial this process ran when `err` stopped it. Measured already (its row in the
-        trials table says so): finished as measured. Else FAIL in Optuna (Ctrl-C is failed by Optuna
-        itself, a SIGTERM would leave it RUNNING) and in the trials table, without its run, so that
-        it does not count and a resumed search measures another in its place."""
-        trial, self._trial = self._trial, None
+        """End the trial this process ran when `err` stopped it. Measured already (the signal came
+        before Optuna was told): finished as measured. Else FAIL (Ctrl-C is failed by Optuna itself,
+        a SIGTERM would leave it RUNNING), without its run, so that it does not count and a resumed
+        search measures another in its place."""
+        (trial, self._trial), (record, self._measured) = (self._trial, None), (self._measured, None)
         if trial is None:
             return
         storage, reason = self.study._storage, failure_reason(err)
         frozen = storage.get_trial(trial._trial_id)
-        row = next((r for r in self.store.list_trials(self.study.study_name, "sim") if r.number == frozen.number), None)
         try:
-            if frozen.state == TrialState.RUNNING and row is not None:
-                complete = row.state == "COMPLETE"
+            if frozen.state == TrialState.RUNNING and record is not None:
+                complete = record.state == "COMPLETE"
                 storage.set_trial_state_values(trial._trial_id, TrialState.COMPLETE if complete else TrialState.FAIL,
-                                               row.values if complete else None)
+                                               record.values if complete else None)
                 return
             if frozen.state == TrialState.RUNNING:
                 storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
@@ -325,7 +326,6 @@ class Stage1:
         except optuna.exceptions.UpdateFinishedTrialError:
             return
         self._forget_run(frozen)
-        self.store.save_trial(self.study.study_name, frozen.number, "sim", "FAIL", dict(frozen.params), reason=reason)
 
     def _forget_run(self, trial) -> None:
         """The run an interrupted trial stored before it failed (a twin's run is the twin's)."""
@@ -363,13 +363,10 @@ class Stage1:
                  **{f"observed_{k}": v for k, v in sc.observed.items()}}
         for key, value in attrs.items():
             trial.set_user_attr(key, value)
-        self.store.save_trial(self.study.study_name, trial.number, "sim", "COMPLETE", params, values=values,
-                              constraints=sc.violations, run_id=run_id)
         return Measurement("sim", trial.number, params, "COMPLETE", values, dict(sc.violations), run_id=run_id)
 
     def _fail(self, trial, params: dict, reason: str) -> Measurement:
         trial.set_user_attr("fail_reason", reason)
-        self.store.save_trial(self.study.study_name, trial.number, "sim", "FAIL", params, reason=reason)
         logging.getLogger("kvtune.search").info("trial %d failed: %s", trial.number, reason)
         return Measurement("sim", trial.number, params, "FAIL", reason=reason)
 
