@@ -9,7 +9,7 @@ import pytest
 
 from kvtune.cli.commands import COMMANDS
 
-HEAVY = ("torch", "numpy", "sqlalchemy", "optuna", "scipy", "matplotlib", "streamlit", "plotly", "pandas",
+HEAVY = ("torch", "numpy", "sqlalchemy", "optuna", "scipy", "matplotlib", "streamlit", "pandas",
          "httpx", "requests", "locust", "fastapi", "kvtune.store", "kvtune.targets.servers")
 DEV_ONLY = ("pytest", "hypothesis", "transformers", "openai", "ruff", "selenium")
 

@@ -153,7 +153,8 @@ def text(at: AppTest) -> str:
 
 
 def charts_shown(at: AppTest) -> int:
-    return len(at.get("plotly_chart"))
+    """The matplotlib figures on the page: charts.show sends each as an image, and the pages show no other."""
+    return len(at.image)
 
 
 # ---------------------------------------------------------------- Runs
@@ -447,11 +448,12 @@ def test_binned_series_for_sim_and_scrapes():
               "num_running": [1, 2, 3, 4, 5], "num_waiting": [0, 0, 1, 0, 0],
               "num_preemptions": [0, 1, 0, 2, 0], "prefix_queries": [10, 0, 10, 10, 0],
               "prefix_hits": [5, 0, 0, 4, 0]}
-    frame = charts.binned(series, max_points=2)
-    assert list(frame["kv_usage"]) == [0.5, 0.9]
-    assert list(frame["preemptions_total"]) == [1, 3]
-    assert list(frame["hit_rate"]) == [0.5, 0.3]  # so far: 5 of 10, then 9 of 30
-    assert charts.binned({"time": []}).empty and charts.timeline({"time": []}) is None
+    binned = charts.binned(series, max_points=2)
+    assert list(binned["kv_usage"]) == [0.5, 0.9]
+    assert list(binned["num_waiting"]) == [0, 1]
+    assert list(binned["preemptions_total"]) == [1, 3]
+    assert list(binned["hit_rate"]) == [0.5, 0.3]  # so far: 5 of 10, then 9 of 30
+    assert len(charts.binned({"time": []})["time"]) == 0 and charts.timeline({"time": []}) is None
 
 
 def test_ui_command_runs_streamlit_on_loopback(capsys):

@@ -28,6 +28,8 @@ CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
 URL_PATHS = {"runs.py": "", "search.py": "search", "diagnoses.py": "diagnoses", "planner.py": "planner",
              "live.py": "live"}
 PAGE_TIMEOUT_S = 60
+SETTLE_S = 1.0
+CHART = '[data-testid="stImage"] img'
 
 
 def chromium_missing() -> str | None:
@@ -113,18 +115,64 @@ def _wait_healthy(proc, url: str, log) -> None:
 
 
 def wait_for_page(driver, title: str) -> None:
-    """Until the page's h1 reads its title and Streamlit has finished running the script."""
+    """Until, for SETTLE_S on end, the page's h1 reads its title, Streamlit shows no script running and the
+    browser has loaded every chart's image (fetched after the script ends). Streamlit shows a run a moment
+    after it starts, and the title is the script's first element: one look could catch a run's first part."""
     from selenium.webdriver.common.by import By
 
-    deadline = time.monotonic() + PAGE_TIMEOUT_S
+    deadline, since = time.monotonic() + PAGE_TIMEOUT_S, None
     while time.monotonic() < deadline:
         titles = [h.text.strip() for h in driver.find_elements(By.CSS_SELECTOR, "h1")]
         running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
-        if title in titles and not running:
-            time.sleep(1.5)  # plotly draws after the script ends
-            return
+        if title in titles and not running and not charts_loading(driver):
+            since = since or time.monotonic()
+            if time.monotonic() - since >= SETTLE_S:
+                return
+        else:
+            since = None
         time.sleep(0.25)
     raise AssertionError(f"page {title!r} did not render within {PAGE_TIMEOUT_S} s; h1: {titles}")
+
+
+def wait_for_text(driver, pattern: str, timeout_s: float = 30) -> None:
+    """Until the page's text matches `pattern`: a click's rerun starts a moment after the click returns."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = driver.find_element(By.TAG_NAME, "body").text
+        if re.search(pattern, body):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"no {pattern!r} on the page within {timeout_s} s:\n{body}")
+
+
+def click(driver, label: str, timeout_s: float = 10) -> None:
+    """Click the button reading `label`; the live view's reruns can replace it between finding and clicking."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            next(b for b in driver.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == label).click()
+            return
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def chart_images(driver) -> list:
+    """The charts' <img> elements: the UI shows each matplotlib figure as a PNG image."""
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, CHART)
+
+
+def charts_loading(driver) -> bool:
+    return bool(driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].some(i => !i.complete || !i.naturalWidth)", CHART))
 
 
 @pytest.mark.parametrize("page", list(PAGES))
@@ -144,7 +192,7 @@ def test_page_renders_in_chromium(page, ui, browser, tmp_path):
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "Traceback" not in body
     if page in ("runs.py", "search.py", "planner.py"):
-        assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]')
+        assert chart_images(browser) and all(i.size["height"] > 100 for i in chart_images(browser))
 
 
 def test_live_page_updates_in_chromium(ui, browser, tmp_path):
@@ -159,7 +207,7 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
         field = browser.find_element(By.CSS_SELECTOR, 'input[aria-label="Server URL"]')
         field.send_keys(server.url, Keys.ENTER)
         time.sleep(1.0)  # the rerun that commits the text
-        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Start").click()
+        click(browser, "Start")
         deadline, scrapes = time.monotonic() + 30, 0
         while time.monotonic() < deadline and scrapes < 3:
             time.sleep(0.5)
@@ -168,13 +216,13 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
             scrapes = int(found.group(1)) if found else 0
         assert scrapes >= 3, body
         # Stop first: every rerun redraws the chart, and a screenshot mid-redraw shows it blank.
-        next(b for b in browser.find_elements(By.CSS_SELECTOR, "button") if b.text.strip() == "Stop").click()
+        click(browser, "Stop")
+        wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes")
         wait_for_page(browser, "Live")
-        assert re.search(r"Stopped watching \S+/metrics: \d+ scrapes", browser.find_element(By.TAG_NAME, "body").text)
         shot = tmp_path / "live-watching.png"
         browser.save_screenshot(str(shot))
         print(f"screenshot: {shot}")
-        assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]')
+        assert chart_images(browser)
         assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], '
                                                           '[data-testid="stAlertContentError"]')
     finally:

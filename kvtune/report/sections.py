@@ -79,23 +79,23 @@ def search_section(data: ReportData, importance: Importance) -> list[Block]:
     info = data.info
     blocks: list[Block] = [Heading("3. The search")]
     history = plots.history(data.trials, value_label(info))
-    if history:
+    if history is not None:
         blocks += [Paragraph(f"Each dot is one stage-1 trial's {value_label(info)}; the line is the best value so "
                              "far among trials that meet the SLOs."),
-                   Image("history.png", "optimisation history", history)]
+                   Image("history.png", "optimisation history", plots.png(history))]
     latency = info.latency if info.objective == "multi" else (info.slos[0].name if info.slos else "ttft_p95")
     front = {t.number for t in data.study.best_trials} if info.objective == "multi" else set()
     limit = next((s.threshold_s for s in info.slos if s.name == latency), None)
     trade = plots.tradeoff(data.trials, latency, front, limit)
-    if trade:
+    if trade is not None:
         text = (f"The Pareto front: configs where no other one has both more throughput and a lower "
                 f"{metric_label(latency)}." if front else
                 f"Throughput against {metric_label(latency)}: lower right is better (more requests, less waiting).")
-        blocks += [Paragraph(text), Image("tradeoff.png", f"throughput vs {latency}", trade)]
+        blocks += [Paragraph(text), Image("tradeoff.png", f"throughput vs {latency}", plots.png(trade))]
     blocks.append(Heading("Which knobs mattered", 3))
     blocks.append(Paragraph(importance.note))
     if importance.values:
-        blocks.append(Image("importance.png", "parameter importance", plots.importance(importance.values)))
+        blocks.append(Image("importance.png", "parameter importance", plots.png(plots.importance(importance.values))))
     return blocks
 
 
@@ -109,8 +109,9 @@ def kv_section(data: ReportData, runs: list[RunView], pools: dict[int, list[str]
     blocks.append(Paragraph("Top: share of KV blocks in use (at 100 % new requests wait). Middle: share of prompt "
                             "tokens served from the prefix cache so far. Bottom: preemptions so far (requests paused "
                             "because the KV cache ran out)."))
-    if figure:
-        blocks.append(Image("kv_over_time.png", "KV usage, prefix hit rate and preemptions over time", figure))
+    if figure is not None:
+        blocks.append(Image("kv_over_time.png", "KV usage, prefix hit rate and preemptions over time",
+                            plots.png(figure)))
     for run in runs:
         blocks.append(Code("\n".join(pools.get(run.run_id) or ["no pool figures"]),
                            f"KV pool of {run.label} ({run.stage} run {run.run_id})", language="text"))

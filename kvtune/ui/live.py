@@ -98,7 +98,7 @@ def watch_view() -> None:
     cols[4].metric("Preemptions", fmt.count(sum(series.get("num_preemptions") or ())))
     figure = charts.timeline(series)
     if figure is not None:
-        st.plotly_chart(figure, key="live_timeline")
+        charts.show(figure)
     st.subheader("Latency from the server's histograms")
     frame = runs.latency_frame(result.summary)
     st.dataframe(frame[["latency", "server p50", "server p95", "server p99"]], hide_index=True, key="live_latency",

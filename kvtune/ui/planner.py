@@ -145,7 +145,7 @@ def show_plan(plan: CapacityPlan) -> None:
                    delta=f"{primary.contiguous_requests:,} if contiguous", delta_color="off", delta_arrow="off")
     st.dataframe(capacity_frame(plan), hide_index=True, key="plan_table",
                  column_config={"": st.column_config.TextColumn(width="large")})
-    st.plotly_chart(charts.capacity(plan), key="plan_chart")
+    charts.show(charts.capacity(plan))
     if primary.contiguous_requests == 0:
         st.warning(f"The pool cannot hold one request of max_model_len {plan.config.max_model_len:,} reserved "
                    "up front.")

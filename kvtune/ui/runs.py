@@ -113,7 +113,7 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
     if figure is None:
         st.info("This run stored no series.")
     else:
-        st.plotly_chart(figure, key="run_timeline")
+        charts.show(figure)
 
     st.subheader("Latency: what the clients saw and what the server said")
     st.dataframe(latency_frame(s), hide_index=True, key="run_latency")
@@ -135,7 +135,7 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
         st.dataframe(frame, hide_index=True, key="run_profile")
     figure = charts.lengths([r.prompt_tokens for r in result.requests], [r.output_tokens for r in result.requests])
     if figure is not None:
-        st.plotly_chart(figure, key="run_lengths")
+        charts.show(figure)
     st.caption(f"Source: {profile.get('source', 'unknown')}; sessions: {fmt.count(profile.get('sessions'))}.")
 
     st.subheader("Diagnoses")

@@ -2,8 +2,6 @@
 with their launch commands, and stage 1 against stage 2."""
 from __future__ import annotations
 
-import math
-
 import pandas as pd
 import streamlit as st
 
@@ -27,6 +25,7 @@ from kvtune.ui import charts, data, widgets
 # Plain symbols, not emoji: a browser without an emoji font (a headless one) shows emoji as boxes.
 MARKS = {"ok": ("✔", "#2ca02c"), "bad": ("✖", "#d62728"), "failed": ("⚠", "#7f7f7f")}
 BEST_SHOWN = 3  # configs with launch commands
+IMPORTANCE_WIDTH = 760  # pixels: a few bars, stretched across the page, would stand a screen tall
 
 
 def studies_frame(rows: list[data.StudyRow]) -> pd.DataFrame:
@@ -102,18 +101,6 @@ def latency_axis(report: ReportData) -> str:
     return info.slos[0].name if info.slos else "ttft_p95"
 
 
-def tradeoff_points(trials: list[Measurement], latency: str) -> list[tuple[Measurement, float, float]]:
-    points = []
-    for t in trials:
-        if not t.ok or t.duplicate_of is not None:
-            continue
-        y = t.observed.get(latency)
-        y = y if y is not None else t.summary.get(latency)
-        if _finite(t.throughput_rps) and _finite(y):
-            points.append((t, t.throughput_rps, y))
-    return points
-
-
 def pareto_front(points: list[tuple[Measurement, float, float]]) -> list[int]:
     """Trial numbers no other trial beats on both more throughput and less latency."""
     front = []
@@ -157,10 +144,6 @@ def best_candidates(report: ReportData) -> list[Candidate]:
 
 def _ms(seconds):
     return None if seconds is None else seconds * 1000
-
-
-def _finite(value) -> bool:
-    return value is not None and math.isfinite(value)
 
 
 def render() -> None:
@@ -207,24 +190,24 @@ def show_study(view: data.StudyView) -> None:
         if figure is None:
             st.info("No completed trial to plot.")
         else:
-            st.plotly_chart(figure, key="history_chart")
+            charts.show(figure)
     with right:
         st.subheader("Pareto front")
         latency = latency_axis(report)
-        points = tradeoff_points(report.trials, latency)
+        points = charts.tradeoff_points(report.trials, latency)
         limit = next((s.threshold_s for s in info.slos if s.name == latency), None)
         figure = charts.pareto(points, pareto_front(points), metric_label(latency), limit)
         if figure is None:
             st.info("No completed trial to plot.")
         else:
-            st.plotly_chart(figure, key="pareto_chart")
+            charts.show(figure)
             st.caption(f"Throughput against {metric_label(latency)} (stage 1): lower right is better; "
                        "the line joins the configs no other one beats on both.")
 
     st.subheader("Parameter importance")
     st.caption(view.importance.note)
     if view.importance.values:
-        st.plotly_chart(charts.importance(view.importance.values), key="importance_chart")
+        charts.show(charts.importance(view.importance.values), width=IMPORTANCE_WIDTH)
 
     st.subheader("Best configs and their launch commands")
     best_configs(view)
