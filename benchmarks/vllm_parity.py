@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvengine.core.blocks import KVCacheManager
+from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.config import EngineConfig
 from kvengine.core.request import Request, SamplingParams
 from kvengine.core.scheduler import Scheduler

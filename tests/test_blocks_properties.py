@@ -8,7 +8,7 @@ exactly those tokens; and after every request finishes all blocks are free.
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvengine.core.blocks import KVCacheManager
+from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.core.request import Request
 
 BLOCK = 4

@@ -1,7 +1,9 @@
 """Bugs that small vLLM clones shipped, pinned down."""
 import pytest
 
-from kvengine.core.blocks import BlockHashToBlockMap, BlockPool, KVCacheBlock, KVCacheManager, hash_block_tokens
+from kvengine.core.block_pool import BlockHashToBlockMap, BlockPool
+from kvengine.core.kv_cache_manager import KVCacheManager
+from kvengine.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
 from kvengine.config import EngineConfig
 from kvengine.core.request import Request, SamplingParams
 from kvengine.core.scheduler import Scheduler

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from kvengine.core.blocks import KVCacheManager
+from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.config import EngineConfig
 from kvengine.executor.cost import causal_pairs, kernel_pairs
 from kvengine.core.request import Request, RequestStatus, SamplingParams

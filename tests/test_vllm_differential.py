@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvengine.core.blocks import KVCacheManager
+from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.core.request import Request
 
 REPO = Path(__file__).resolve().parent.parent

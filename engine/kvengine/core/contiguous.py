@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 
-from kvengine.core.blocks import PrefixCacheStats, cdiv
+from kvengine.core.kv_cache_manager import PrefixCacheStats, cdiv
 from kvengine.core.request import Request
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvengine.core.blocks import PrefixCacheStats
+from kvengine.core.kv_cache_manager import PrefixCacheStats
 from kvengine.core.request import Request
 
 

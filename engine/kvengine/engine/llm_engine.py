@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from kvengine.core.blocks import KVCacheManager
+from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.engine.clock import VirtualClock, WallClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.core.contiguous import ContiguousKVCacheManager

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvengine.core.blocks import cdiv
+from kvengine.core.kv_cache_manager import cdiv
 from kvengine.config import (
     DEVICE_PRESETS,
     ConfigError,
