@@ -27,9 +27,10 @@ from dataclasses import replace
 
 import httpx
 
+from ..httpclient import HTTP_ERRORS, http_client
 from .log import ScrapeLog
 from .parse import Snapshot, parse_exposition
-from .scraper import HTTP_ERRORS, ScrapeError, http_client
+from .scraper import ScrapeError
 
 # Both spellings: a Prometheus 2 that negotiated OpenMetrics with prometheus-client stores `vllm_x`.
 NAMES = '__name__=~"(vllm|sglang|kvengine)[:_].+"'

@@ -1,53 +1,29 @@
 """Scraper: GET a server's /metrics every few seconds on a plain thread and keep the snapshots.
 
 httpx does the HTTP, as everywhere in kvtune: one `httpx.Client` held for the scrape loop
-(keep-alive: one connection, not one a scrape), closed when the scraper stops. The helpers
-here (`http_client`, `http_get`) are what kvtune's other plain GETs use too.
+(keep-alive: one connection, not one a scrape), closed when the scraper stops (kvtune/httpclient.py makes it).
 """
 from __future__ import annotations
 
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Self
 
 import httpx
 
+from ..httpclient import HTTP_ERRORS, http_client
 from .log import ScrapeLog
 from .parse import Snapshot, parse_exposition
 
 # Never ask for OpenMetrics: prometheus-client then escapes `vllm:` to `vllm_` in sample names.
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8"
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class ScrapeError(RuntimeError):
     def __init__(self, message: str, retryable: bool = True):
         super().__init__(message)
         self.retryable = retryable
-
-
-# Whatever a request through httpx can fail with: its transport and status errors, and a URL it cannot send to.
-HTTP_ERRORS = (httpx.HTTPError, httpx.InvalidURL)
-
-
-def is_loopback(url: str) -> bool:
-    return urllib.parse.urlsplit(url).hostname in LOOPBACK
-
-
-def http_client(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Client:
-    """An httpx.Client for the server at `url`. Redirects are followed (as urllib and requests
-    did). A proxy from the environment must not carry requests to this machine's own servers:
-    for a loopback `url` the environment is not read (trust_env=False); another machine is
-    reached as the environment says (HTTP(S)_PROXY, NO_PROXY, SSL_CERT_FILE)."""
-    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=not is_loopback(url), **kwargs)
-
-
-def http_get(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Response:
-    """One GET of `url` on a client of its own (no connection kept); httpx's errors are raised."""
-    with http_client(url, timeout) as client:
-        return client.get(url, **kwargs)
 
 
 def metrics_url(url: str) -> str:

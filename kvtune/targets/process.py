@@ -13,8 +13,7 @@ import subprocess
 import tempfile
 import time
 
-
-from ..scrape.scraper import HTTP_ERRORS, http_get
+from ..httpclient import HTTP_ERRORS, http_get
 from ..stopping import spawn
 from .base import TargetRunError, TargetStartError
 from .startlog import log_tail, read_log, root_cause

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, GiB, EngineConfig
+from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig, GiB
 from kvengine.entrypoints.flags import parse_size
 
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"

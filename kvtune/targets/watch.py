@@ -14,10 +14,10 @@ import urllib.parse
 import numpy as np
 
 from ..gpu import GpuLog, GpuSampler
+from ..httpclient import is_loopback
 from ..results import RunResult
 from ..scrape import ScrapeError, ScrapeLog, Scraper
 from ..scrape.prometheus_api import read_range
-from ..scrape.scraper import is_loopback
 from .live import config_from_cache_info, served_max_model_len, server_figures
 
 GPU_SERIES = ("gpu_utilization", "gpu_memory_used", "gpu_memory_total")
