@@ -4,7 +4,9 @@
 Server: the bundled engine's torch executor (`EngineTarget(executor="torch",
 preset="tiny", device="cpu")`: real forward passes of the tiny random Llama) or,
 with --server vllm, vLLM's CPU build in ./.venv-vllm (`VllmTarget`, serving
-tests/checkpoint.py's tiny checkpoint, float32, written to a temporary folder).
+tests/checkpoint.py's tiny checkpoint, written in float32 to a temporary folder: vLLM's
+`--dtype auto` serves it in bf16, so its KV pool holds twice the tokens of the engine's; the
+simulator models each server in the dtype the server reports, as kvtune search's stage 1 does).
 
 Workload: `kvtune trace synth` single-turn requests (default 64 at 32 req/s
 with --quick, 96 without; constant arrivals, prompts 96-192 tokens, answers
@@ -85,6 +87,7 @@ from pathlib import Path
 
 from kvengine.config import EngineConfig, device_preset, model_preset
 
+from kvtune.plan import served_dtype, server_pool_of
 from kvtune.search import Objective, parse_slo
 from kvtune.search.ranking import interval
 from kvtune.search.validity import run_doubts
@@ -170,8 +173,8 @@ def track_servers(target) -> list:
 
 def run_grid(target, configs: list[dict], base: EngineConfig, workload, objective, repeats: int) -> dict:
     """{key: {"params", "values": [goodput or None], "feasible": [...], "preemptions": [...], "doubts": [...]}}"""
-    out = {key(p): {"params": p, "values": [], "feasible": [], "preemptions": [], "doubts": [], "errors": []}
-           for p in configs}
+    out = {key(p): {"params": p, "values": [], "feasible": [], "preemptions": [], "doubts": [], "errors": [],
+                    "reported": {}} for p in configs}
     n, total, t0 = 0, repeats * len(configs), time.perf_counter()
     for r in range(repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]  # interleaved, rotated per round
@@ -184,6 +187,7 @@ def run_grid(target, configs: list[dict], base: EngineConfig, workload, objectiv
                 cell["feasible"].append(sc.feasible)
                 cell["preemptions"].append(result.summary.get("preemptions"))
                 cell["doubts"] += run_doubts(result, sc)
+                cell["reported"] = result.config  # the config the server reported it ran
                 what = f"goodput {values[0]:.2f} req/s{'' if sc.feasible else ' (misses SLOs)'}, " \
                        f"{result.summary.get('preemptions')} preemptions"
             except (TargetStartError, TargetRunError) as err:
@@ -220,6 +224,18 @@ def calibrate(args, db: str, log_dir: Path) -> str | None:
               f"presets. Its last lines:\n{tail}")
         return None
     return "truth"
+
+
+def as_served(sim: SimTarget, grid: dict) -> SimTarget:
+    """The simulator of the model in the dtype the grid's server kept its KV cache in (kvtune search's
+    stage 1 learns the same from its target check): vLLM serves the float32 checkpoint in bf16."""
+    for cell in grid.values():
+        pool = server_pool_of(cell["reported"]) if cell["params"]["kv_cache_dtype"] == "auto" else None
+        dtype = served_dtype(sim.model, pool) if pool is not None else None
+        if dtype is not None:
+            log(f"the server keeps the KV cache in {dtype}, not the preset's {sim.model.dtype}: so does the sim")
+            return sim.with_model(dataclasses.replace(sim.model, dtype=dtype))
+    return sim
 
 
 def sim_values(configs: list[dict], base: EngineConfig, workload, objective, sim: SimTarget) -> dict:
@@ -357,7 +373,8 @@ def main(argv=None) -> int:
         for server in servers:
             server.stop()  # a no-op for those already stopped
     grid_s = time.perf_counter() - t_grid
-    sims = sim_values(configs, base, workload, objective, sim_target(args.profile_db, args.profile))
+    sim = as_served(sim_target(args.profile_db, args.profile), grid)
+    sims = sim_values(configs, base, workload, objective, sim)
     ivs = {k: interval(c["values"]) for k, c in grid.items()}
     measured = {k: iv for k, iv in ivs.items() if iv is not None}
     if not measured:
@@ -391,7 +408,7 @@ def main(argv=None) -> int:
           f"{'n/a' if tau is None else f'{tau:.3f}'} (goal >= 0.7)")
 
     out = {"server": args.server, "mode": args.mode, "grid_live_runs": grid_runs, "grid_s": round(grid_s, 1),
-           "sim": f"profile {args.profile}" if args.profile else "presets tiny/cpu",
+           "sim": (f"profile {args.profile}" if args.profile else "presets tiny/cpu") + f", {sim.model.dtype}",
            "kendall_tau": None if tau is None else round(tau, 3), "grid_beats_default": grid_beats,
            "best": dict(zip(KNOBS, best_key)), "default": dict(zip(KNOBS, dkey)),
            "recommended_over_best": None, "tied_with_best": None, "verdict_right": None, "verdict": None,

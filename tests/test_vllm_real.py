@@ -175,6 +175,7 @@ def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, ear
     if p.returncode == 0:
         profile = json.loads(p.stdout.strip().splitlines()[-1])
         assert profile["name"] == "vllm-cpu"
+        assert profile["dtype"] == "bfloat16"  # the fit modelled the served bf16, not the preset's float32
         rms = [r["rms"] for r in profile["residuals"].values()]
         assert rms and all(r == r and r < 0.5 for r in rms), profile["residuals"]  # no nan, no wild misfit
         assert [x.name for x in list_profiles(db)] == ["vllm-cpu"]
@@ -234,6 +235,9 @@ def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_tra
                "--db", db, "--study", "v", "--report-dir", str(tmp_path / "rep"), "--json", timeout=1200)
     assert p.returncode == 0, p.stderr + p.stdout
     assert "checking the vllm target" in p.stdout
+    # the preset says float32; the server's pool (1 GiB, 8192 blocks of 128) says it keeps bf16 K/V
+    import optuna
+    assert optuna.load_study(study_name="v", storage=db).user_attrs["sim_model_dtype"] == "bfloat16"
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert [o["is_default"] for o in out["live"]].count(True) == 1 and len(out["live"]) == 2, out
     assert all(o["completed"] == o["runs"] == 1 and not o["errors"] for o in out["live"]), out["live"]

@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from ..httpclient import http_get
 from ..loadgen import sse_payload
 from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
-from ..scrape.scraper import http_get
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
@@ -89,6 +89,7 @@ class ServerInfo:
     num_gpu_blocks: int | None = None
     enable_prefix_caching: bool | None = None
     kv_cache_dtype: str | None = None
+    pool_bytes: int | None = None  # kv_cache_memory_bytes, where the server reports it
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -117,6 +118,8 @@ def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
         info.enable_prefix_caching = labels["enable_prefix_caching"] == "True"
     if labels.get("cache_dtype"):
         info.kv_cache_dtype = labels["cache_dtype"]
+    if labels.get("kv_cache_memory_bytes", "").isdigit():
+        info.pool_bytes = int(labels["kv_cache_memory_bytes"])
     return info
 
 

@@ -43,12 +43,16 @@ class CalibrationProfile:
     probe_wall_s: float = 0.0
     drift: dict = field(default_factory=dict)  # probes.speed_drift: the server's speed, first probe to last
     fit: dict = field(default_factory=dict)  # cost, nfev, message
+    dtype: str = ""  # the dtype the server ran the model in, where that is not the preset's (plan.served_dtype)
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: int = PROFILE_VERSION
 
     def specs(self) -> tuple[ModelSpec, DeviceSpec]:
-        """The model and device presets the sim must run with this profile."""
-        return model_preset(self.model), device_preset(self.device)
+        """The model (in the dtype it was served in) and device presets the sim must run with this profile."""
+        model = model_preset(self.model)
+        if self.dtype and self.dtype != model.dtype:
+            model = dataclasses.replace(model, dtype=self.dtype)
+        return model, device_preset(self.device)
 
     def sim_target(self) -> SimTarget:
         """The simulator this profile calibrates: its presets, coefficients and client overhead."""
@@ -70,7 +74,8 @@ class CalibrationProfile:
 
     def describe(self) -> str:
         c = self.coefficients
-        return (f"{self.name}: {self.model} on {self.device} (fitted on {self.target}"
+        served = f" in {self.dtype}" if self.dtype else ""
+        return (f"{self.name}: {self.model}{served} on {self.device} (fitted on {self.target}"
                 f"{' ' + self.executor if self.executor else ''} at {self.created_at}); "
                 f"memory_efficiency {c.memory_efficiency:.4g}, compute_efficiency {c.compute_efficiency:.4g}, "
                 f"attention_efficiency {c.attention_efficiency:.4g}, "

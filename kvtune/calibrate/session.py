@@ -5,13 +5,30 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.config import EngineConfig, ModelSpec, device_preset, model_preset
 from kvengine.executor.cost import TIED_TO, CostCoefficients, torch_attention_kernel
 
-from .fit import RMS_LIMIT, FitRefusedError, bound_side, degenerate_reasons, fit_coefficients, step_shapes, unseen
-from .probes import ProbeOptions, ServerInfo, design_probes, run_probes, server_info, speed_drift
+from ..plan import ServerPool, served_dtype
+from .fit import (
+    RMS_LIMIT,
+    FitRefusedError,
+    bound_side,
+    degenerate_reasons,
+    fit_coefficients,
+    step_shapes,
+    unseen,
+)
+from .probes import (
+    ProbeOptions,
+    ServerInfo,
+    design_probes,
+    run_probes,
+    server_info,
+    speed_drift,
+)
 from .profile import CalibrationProfile
 
 DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
@@ -42,6 +59,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         base = CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
     model, device_spec = model_preset(preset), device_preset(device)
     info = server_info(url)
+    model = _served_model(model, info, progress)
     server_config = _server_config(config or EngineConfig(), info, model, device_spec)
     pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
     plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
@@ -64,7 +82,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
                               base=base)
     profile = CalibrationProfile(
-        name=name, model=model.name, device=device, coefficients=result.coefficients,
+        name=name, model=model.name, dtype=model.dtype, device=device, coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
         target=target, url=url, executor=executor,
         served_model=info.model_name,
@@ -107,10 +125,24 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     return profile
 
 
+def _served_model(model: ModelSpec, info: ServerInfo, progress=None) -> ModelSpec:
+    """`model` in the dtype the server keeps its KV cache in, where its pool says that is not the
+    preset's (vLLM serves a float32 checkpoint in bf16): the fit replays the probes on that pool."""
+    if not info.num_gpu_blocks or not info.block_size:
+        return model
+    pool = ServerPool(info.num_gpu_blocks, info.block_size, info.kv_cache_dtype or "auto", info.pool_bytes)
+    dtype = served_dtype(model, pool)
+    if dtype is None:
+        return model
+    if progress:
+        progress(f"the server keeps {model.name}'s KV cache in {dtype} ({pool.num_gpu_blocks:,} blocks of "
+                 f"{pool.block_size} tokens in {pool.pool_bytes:,} bytes), not in the preset's {model.dtype}: "
+                 f"the fit models it in {dtype}")
+    return dataclasses.replace(model, dtype=dtype)
+
+
 def _server_config(config: EngineConfig, info: ServerInfo, model, device) -> EngineConfig:
     """The flags' config, corrected by what the server says about itself."""
-    import dataclasses
-
     from kvengine.config import KV_CACHE_DTYPES
     changes = {"max_model_len": min(info.max_model_len, model.max_position_embeddings)}
     if info.block_size:

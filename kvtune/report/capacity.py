@@ -28,13 +28,14 @@ from ..plan import (
     is_one_byte,
     plan_capacity,
     plan_server_pool,
+    positive_int,
+    server_pool_of,
     workload_contexts,
 )
 from ..results import RunResult
-from ..store import RunNotFoundError, Store, StoreError
-from ..targets.rules import CPU_KV_SPACE_ENV
-from ..workload import TraceError, read_workload
 from ..search.results import RunView
+from ..store import RunNotFoundError, Store, StoreError
+from ..workload import TraceError, read_workload
 
 
 @dataclass
@@ -66,34 +67,11 @@ def capacity_for(config: EngineConfig, preset: str | None, device: str | None, w
     return Capacity(plan, source)
 
 
-def server_pool_of(config: dict) -> ServerPool | None:
-    """The pool a live run's server reported (num_gpu_blocks, or kv_cache_size_tokens, and block_size)."""
-    block_size, blocks = _int(config.get("block_size")), _int(config.get("num_gpu_blocks"))
-    tokens = _int(config.get("kv_cache_size_tokens"))
-    if block_size and not blocks and tokens:
-        blocks = tokens // block_size
-    if not block_size or not blocks:
-        return None
-    pool_bytes = _int(config.get("kv_cache_memory_bytes"))
-    env = config.get("launch_env") or {}
-    if env.get(CPU_KV_SPACE_ENV) is not None:
-        set_by = f"set by {CPU_KV_SPACE_ENV}={env[CPU_KV_SPACE_ENV]}"
-    elif pool_bytes:
-        set_by = "set by --kv-cache-memory-bytes"
-    elif config.get("num_gpu_blocks_override"):
-        set_by = "set by --num-gpu-blocks-override"
-    elif config.get("gpu_memory_utilization") is not None:
-        set_by = f"sized by `gpu_memory_utilization` {float(config['gpu_memory_utilization']):.2f} of the device"
-    else:
-        set_by = ""
-    return ServerPool(blocks, block_size, str(config.get("kv_cache_dtype") or "auto"), pool_bytes, set_by)
-
-
 def _live_capacity(pool: ServerPool, run: RunView, config: EngineConfig, preset: str | None, device: str | None,
                    contexts: dict[str, int], source: str, db_url: str | None,
                    live_run_ids: list[int | None]) -> Capacity:
     model = _model(preset)
-    max_len = (_int(run.result.config.get("max_model_len")) or config.max_model_len
+    max_len = (positive_int(run.result.config.get("max_model_len")) or config.max_model_len
                or (model.max_position_embeddings if model is not None else None))
     hint, hint_source = (None, "")
     if is_one_byte(pool.kv_cache_dtype):  # its pool says nothing of `auto`'s bytes: ask the study's auto runs
@@ -150,16 +128,6 @@ def _model(preset: str | None) -> ModelSpec | None:
         return model_preset(preset or "")
     except ConfigError:
         return None
-
-
-def _int(value) -> int | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        return None
-    return number if number > 0 else None
 
 
 def _contexts(path: str | None, profile: dict) -> tuple[dict[str, int], str]:

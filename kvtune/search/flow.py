@@ -4,16 +4,17 @@ this says; the report and the UI only read what it stored.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
-from sqlalchemy.exc import DBAPIError
-
 from kvengine.config import EngineConfig
+from sqlalchemy.exc import DBAPIError
 
 from ..diagnose.trial import Simulator, diagnosed
 from ..environment import host_environment
+from ..plan import served_dtype, server_pool_of
 from ..store import Store, StoreError
 from ..targets import SimTarget, TargetRunError, TargetStartError
 from ..workload import Workload, head
@@ -21,7 +22,15 @@ from .objective import Objective
 from .results import ReportData, load_report_data
 from .slo import diagnosis_thresholds
 from .space import SearchSpace
-from .stage2 import DEFAULT_NUMBER, LiveConfig, LivePlan, LiveOutcome, default_params, representable, run_stage2
+from .stage2 import (
+    DEFAULT_NUMBER,
+    LiveConfig,
+    LiveOutcome,
+    LivePlan,
+    default_params,
+    representable,
+    run_stage2,
+)
 from .study import Stage1, is_feasible, open_storage, open_study, ranked_trials
 
 
@@ -87,22 +96,25 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         for note in notes:
             say(f"note: {note}")
     store = Store(req.db_url)
+    sim = req.sim
+    if live is not None:
+        sim = _check_live(req, live, space.config(default_params(space, default), base), sim_base, say)
+        model = sim.model
+        default = live.rules.default_config(sim_base).resolve(model, device)
     slos = req.objective.slos
     attrs = {"workload": req.workload_path, "preset": req.preset, "device": req.device, "profile": req.profile,
              "slos": [str(s) for s in slos],
              "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
              "space": {k.name: knob_text(k) for k in space.knobs},
-             "latency": req.objective.latency, "live_requests": req.live_head}
+             "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype}
     study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
                        attrs)
-    stage1 = Stage1(study, space, sim_base, req.objective, req.sim.run, req.workload, store, req.trials)
+    stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials)
     dflt = default_params(space, default)
     study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
     study.set_user_attr("environment", host_environment())  # where this search ran, for the report
     if representable(space, dflt):
         stage1.enqueue(dflt)
-    if live is not None:
-        _check_live(req, live, space.config(dflt, base), say)
     say(f"study {req.study!r} in {store.display_url}: {req.trials} stage-1 trials of {req.preset} on "
         f"{req.device}, objective {req.objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
     with (stage1_progress or (lambda _n: nullcontext(None)))(req.trials) as on_trial:
@@ -116,21 +128,31 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     if slos and not feasible:
         say(nothing_feasible(ranked[0], slos))
     if live is not None:
-        _stage2(req, live, ranked, dflt, space, base, store, say, on_live)
-    return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, store, stage1, say))
+        _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live)
+    return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, sim, store, stage1, say))
 
 
-def _check_live(req: SearchRequest, live, config: EngineConfig, say) -> None:
-    """The live target starts and answers before stage 1 spends minutes."""
+def _check_live(req: SearchRequest, live, config: EngineConfig, sim_base: EngineConfig, say) -> SimTarget:
+    """The live target starts and answers before stage 1 spends minutes; the simulator stage 1 runs:
+    req.sim, with the model in the dtype the server keeps its KV cache in where its pool says that
+    is not the preset's (vLLM serves a float32 checkpoint in bf16), so stage 1's pool is the server's."""
     say(f"checking the {req.live_kind} target: starting it with its default config (kept for its first live run)")
     try:
-        live.check(config)
+        reported = live.check(config)
     except (TargetStartError, TargetRunError) as err:
         raise SearchError(f"the {req.live_kind} target does not serve, so stage 2 could not measure; fix this "
                           f"before a search (nothing was searched):\n{err}", 2) from None
+    pool = server_pool_of(reported or {})
+    dtype = None if pool is None or sim_base.num_gpu_blocks_override else served_dtype(req.sim.model, pool)
+    if dtype is None:
+        return req.sim
+    say(f"note: the {req.live_kind} server keeps the KV cache of {req.sim.model.name} in {dtype} under "
+        f"kv_cache_dtype auto ({pool.num_gpu_blocks:,} blocks of {pool.block_size} tokens in "
+        f"{pool.pool_bytes:,} bytes), not in the preset's {req.sim.model.dtype}: stage 1 simulates it in {dtype}")
+    return req.sim.with_model(dataclasses.replace(req.sim.model, dtype=dtype))
 
 
-def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
+def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live) -> None:
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in ranked[:req.top_k]]
     if all(c.label != "default" for c in candidates):
@@ -142,19 +164,19 @@ def _stage2(req, live, ranked, dflt, space, base, store, say, on_live) -> None:
     say(f"stage 2: {len(candidates)} configs on the {req.live_kind} target, {plan.repeats}-{plan.max_repeats} "
         f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
     run_stage2(live.run, candidates, space, base, live_workload, req.objective, store, req.study, plan,
-               on_result=on_live, simulator=Simulator.of(req.sim, live_workload, req.profile))
+               on_result=on_live, simulator=Simulator.of(sim, live_workload, req.profile))
     for note in plan.notes:
         say(f"note: {note}")
 
 
-def _stored_verdict(req: SearchRequest, store: Store, stage1: Stage1, say):
+def _stored_verdict(req: SearchRequest, sim: SimTarget, store: Store, stage1: Stage1, say):
     """The report's data (its verdict is the one ranking's), once the stage-1 runs it shows are stored
     in full and diagnosed."""
     data = load_report_data(req.db_url, req.study)
     shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
     if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
         data = load_report_data(req.db_url, req.study)
-    _diagnose_shown(store, data, Simulator.of(req.sim, req.workload, req.profile), req.objective.slos, say)
+    _diagnose_shown(store, data, Simulator.of(sim, req.workload, req.profile), req.objective.slos, say)
     return data
 
 

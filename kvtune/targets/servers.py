@@ -19,7 +19,7 @@ from kvengine.entrypoints.flags import launch_flags
 from ..results import RunResult
 from ..workload import Workload
 from .base import TargetStartError
-from .live import LiveOptions, run_live, served_model
+from .live import LiveOptions, reported_config, run_live, served_model
 from .process import ManagedServer, free_port
 from .rules import TargetRules, engine_rules, sglang_rules, vllm_platform, vllm_rules
 
@@ -87,17 +87,20 @@ class _ServerTarget(ABC):
         """The values this server takes for the knobs `config` leaves open, where they are known."""
         return {"max_num_seqs": self.rules.max_num_seqs} if self.rules.max_num_seqs else {}
 
-    def check(self, config: EngineConfig) -> None:
-        """Start the server with `config` and see it answer, before a search spends minutes on stage 1.
-        It stays up for the next run if that run is of the same config (a search's live stage starts
-        with the default), which saves a start; any other run, or close(), stops it first, so two
-        servers never share one device."""
+    def check(self, config: EngineConfig) -> dict:
+        """Start the server with `config` and see it answer, before a search spends minutes on stage 1;
+        what it reports of its config (vllm:cache_config_info: its pool, block size, KV dtype), {} where
+        it reports nothing. It stays up for the next run if that run is of the same config (a search's
+        live stage starts with the default), which saves a start; any other run, or close(), stops it
+        first, so two servers never share one device."""
         self.close()
         with contextlib.ExitStack() as started:
             server = started.enter_context(self.server(config))
             served_model(server.url)
+            reported = reported_config(server.url)
             started.pop_all()  # answered: keep it running
         self._kept = (config, server)
+        return reported
 
     def close(self) -> None:
         """Stop the server kept from check(), if no run took it."""

@@ -15,12 +15,11 @@ import dataclasses
 import time
 
 import numpy as np
-
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.executor.cost import CostCoefficients
-from kvengine.engine.llm_engine import LLMEngine
 from kvengine.core.memory import KVCacheMemoryError
 from kvengine.core.request import Request, SamplingParams
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.executor.cost import CostCoefficients
 from kvengine.metrics.stats import request_timings
 
 from ..results import RequestRecord, RunResult, summarize
@@ -39,6 +38,11 @@ class SimTarget:
         self.cost_coefficients = cost_coefficients
         self.client_overhead_s = client_overhead_s
         self.client_overhead_busy_s = client_overhead_s if client_overhead_busy_s is None else client_overhead_busy_s
+
+    def with_model(self, model: ModelSpec) -> SimTarget:
+        """The same simulator (device, cost coefficients, client overheads) of another model."""
+        return SimTarget(model, self.device, self.cost_coefficients, self.client_overhead_s,
+                         self.client_overhead_busy_s)
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
         t0 = time.perf_counter()
