@@ -1,10 +1,13 @@
 """OpenAI-compatible request parsing and response shapes, as vLLM serves them.
 
-Bad parameters raise APIError(400) with a message naming the parameter, so the
-server answers `{"error": {"message", "type", "param", "code"}}`. Every field is
-checked against the range vLLM's request models and SamplingParams accept, so no
-value a client can send reaches the engine core and fails there (where one bad
-request would end every other).
+Request bodies are validated by pydantic models, as vLLM's are, but strict ones: no
+bool for an integer, no string for a number; unknown fields are ignored. A bad
+parameter raises APIError(400) with a message naming it (the first bad one: the
+prompt or messages, then the sampling fields in order), so the server answers
+`{"error": {"message", "type", "param", "code"}}`. Every field is checked against
+the range vLLM's request models and SamplingParams accept, so no value a client can
+send reaches the engine core and fails there (where one bad request would end every
+other).
 """
 from __future__ import annotations
 
@@ -15,6 +18,19 @@ import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvengine.core.request import SamplingParams
 
@@ -107,17 +123,6 @@ def _lone_surrogate(value) -> str | None:
     return None
 
 
-def _typed(body: dict, key: str, kinds, default, what: str):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in kinds:
-        raise bad(key, f"'{key}' must be {what}, got {_show(value)}")
-    if not isinstance(value, kinds):
-        raise bad(key, f"'{key}' must be {what}, got {_show(value)}")
-    return value
-
-
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 3, 4, 4
 _REPR.maxstring = _REPR.maxlong = _REPR.maxother = 60
@@ -128,124 +133,217 @@ def _show(value) -> str:
     return _REPR.repr(value)
 
 
-def _integer(body: dict, key: str, default, low: int | None = None, high: int | None = None,
-             message: str | None = None):
-    value = _typed(body, key, (int,), default, "an integer")
-    if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
-        raise bad(key, (message or f"{key} must be in [{low}, {high}], got {{}}.").format(_show(value)))
-    return value
+def _refuse(message: str) -> PydanticCustomError:
+    """A validator's error, its message as written (a ValueError's would gain "Value error, ")."""
+    return PydanticCustomError("request", message)
 
 
-def _number(body: dict, key: str, default: float) -> float:
-    """A finite float: json.loads reads NaN and Infinity, and an integer too big for a float."""
-    value = _typed(body, key, (int, float), default, "a number")
+def _finite(value, info: ValidationInfo):
+    """A JSON number as a float (a range error then shows -1 as -1.0), refused unless finite:
+    json.loads reads NaN and Infinity, and integers too big for a float. Here, not by
+    allow_inf_nan, which pydantic checks only after the range."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return value  # the float type refuses it
     try:
-        value = float(value)
+        number = float(value)
     except OverflowError:
-        raise bad(key, f"{key} must be a finite number, got {_show(value)}.") from None
-    if not math.isfinite(value):
-        raise bad(key, f"{key} must be a finite number, got {value}.")
-    return value
+        number = math.inf
+    if not math.isfinite(number):
+        raise _refuse(f"{info.field_name} must be a finite number, got {_show(value)}.")
+    return number
 
 
-def _stop_strings(body: dict) -> list[str]:
-    stop = _typed(body, "stop", (str, list), [], "a string or a list of strings")
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
-        raise bad("stop", "'stop' must be a non-empty string or a list of non-empty strings")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad("stop", f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-    if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
-        raise bad("stop", f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long")
-    return stop
+Number = Annotated[float, BeforeValidator(_finite)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
-def _stop_token_ids(body: dict) -> tuple[int, ...]:
-    stop_ids = _typed(body, "stop_token_ids", (list,), [], "a list of token ids")
-    if not _is_token_list(stop_ids):
-        raise bad("stop_token_ids", "'stop_token_ids' must be a list of integers")
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad("stop_token_ids", f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                                    f"got {len(stop_ids)}")
-    return tuple(stop_ids)
+class ChatMessage(BaseModel):
+    """One chat turn; keys besides role and content are left to the chat template."""
+
+    model_config = ConfigDict(strict=True)
+    role: str
+    content: str
 
 
-def _sampling_fields(body: dict) -> dict:
-    max_tokens = _integer(body, "max_tokens", None, 1, message="max_tokens must be at least 1, got {}.")
-    n = _integer(body, "n", 1, 1, message="n must be at least 1, got {}.")
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad("temperature", f"temperature must be non-negative, got {temperature}.")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"top_p must be in (0, 1], got {top_p}.")
-    top_k = _integer(body, "top_k", 0, -1, INT64_MAX,
-                     f"top_k must be -1 (disable), or at least 1 and at most {INT64_MAX}, got {{}}.")
-    seed = _integer(body, "seed", None, INT64_MIN, INT64_MAX,
-                    f"seed must be in [{INT64_MIN}, {INT64_MAX}] (a 64-bit integer), got {{}}.")
-    stream = _typed(body, "stream", (bool,), False, "a boolean")
-    options = _typed(body, "stream_options", (dict,), None, "an object")
-    if options is not None and not stream:
-        raise bad("stream_options", "Stream options can only be defined when `stream=True`.")
-    options = options or {}
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs", "logprobs are not supported by kvengine")
-    rep = body.get("repetition_penalty", 1.0)
-    if rep not in (None, 1, 1.0):
-        raise bad("repetition_penalty", "repetition_penalty other than 1.0 is not supported by kvengine")
-    model = _typed(body, "model", (str,), None, "a string")
-    return dict(model=model, max_tokens=max_tokens, n=n, temperature=temperature, top_p=top_p,
-                top_k=max(top_k, 0), seed=seed, stop=_stop_strings(body), stop_token_ids=_stop_token_ids(body),
-                ignore_eos=_typed(body, "ignore_eos", (bool,), False, "a boolean"),
-                stream=stream, include_usage=bool(options.get("include_usage")),
-                continuous_usage=bool(options.get("continuous_usage_stats")))
+class SamplingRequest(BaseModel):
+    """The sampling fields /v1/completions and /v1/chat/completions share, in the order their
+    errors take precedence."""
+
+    model_config = ConfigDict(strict=True)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    temperature: Number = Field(1.0, ge=0)
+    top_p: Number = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)  # -1 and 0 both disable it
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: Any = None
+    repetition_penalty: Any = None
+    model: str | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, body):
+        # null means "not given", but a completion's null max_tokens means all the room left, not 16.
+        if not isinstance(body, dict):
+            return body
+        return {k: v for k, v in body.items() if v is not None or k == "max_tokens"}
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: dict, info: ValidationInfo) -> dict:
+        if not info.data.get("stream"):
+            raise _refuse("Stream options can only be defined when `stream=True`.")
+        return options
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value):
+        if value not in (None, False, 0):
+            raise _refuse("logprobs are not supported by kvengine")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value):
+        if value not in (None, 1, 1.0):
+            raise _refuse("repetition_penalty other than 1.0 is not supported by kvengine")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, stop):
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounded(cls, stop: list[str]) -> list[str]:
+        # Not Field(min_length=1) on each: a constrained str refuses a lone surrogate, a plain one keeps it.
+        if not all(stop):
+            raise _refuse(_ITEM["stop"])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise _refuse(f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise _refuse(f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_bounded(cls, stop_ids: list[int]) -> list[int]:
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise _refuse(f"'stop_token_ids' may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}")
+        return stop_ids
+
+    def generation(self, prompts: list, **fields) -> GenerationRequest:
+        """The request for the engine; `fields` override what the body gave."""
+        options = self.stream_options or {}
+        return GenerationRequest(**{
+            "model": self.model, "prompts": prompts, "max_tokens": self.max_tokens, "n": self.n,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
+            "seed": self.seed, "stop": self.stop, "stop_token_ids": tuple(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos, "stream": self.stream,
+            "include_usage": bool(options.get("include_usage")),
+            "continuous_usage": bool(options.get("continuous_usage_stats")), **fields})
 
 
-def _is_token_list(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+class CompletionRequest(SamplingRequest):
+    prompt: str | TokenIds | Annotated[list[str | TokenIds], Field(min_length=1)]
+    echo: Any = None
+    max_tokens: int | None = Field(16, ge=1)  # the OpenAI and vLLM default for completions
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo):
+        if echo:
+            raise _refuse("echo is not supported by kvengine")
+        return echo
+
+    @property
+    def prompts(self) -> list:
+        """The prompt as a batch: one text or one list of token ids is a batch of one."""
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if one else self.prompt
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+# A request with several bad fields is answered for the first in this order: its input, then how to sample.
+_ORDER = ("prompt", "messages", "echo", *SamplingRequest.model_fields, "max_completion_tokens")
+_WHOLE = {  # the message for any error in these fields but their items'
+    "prompt": "'prompt' must be a string, a non-empty list of token ids, "
+              "or a non-empty list of strings or token-id lists",
+    "messages": "'messages' must be a non-empty list of {role, content} objects"}
+_ITEM = {  # the message for an error in one of their items
+    "messages": "messages[{}] must be an object with string 'role' and 'content'",
+    "stop": "'stop' must be a non-empty string or a list of non-empty strings",
+    "stop_token_ids": "'stop_token_ids' must be a list of integers"}
+_RANGE = {
+    "max_tokens": "max_tokens must be at least 1, got {}.",
+    "max_completion_tokens": "max_completion_tokens must be at least 1, got {}.",
+    "n": "n must be at least 1, got {}.",
+    "temperature": "temperature must be non-negative, got {}.",
+    "top_p": "top_p must be in (0, 1], got {}.",
+    "top_k": f"top_k must be -1 (disable), or at least 1 and at most {INT64_MAX}, got {{}}.",
+    "seed": f"seed must be in [{INT64_MIN}, {INT64_MAX}] (a 64-bit integer), got {{}}."}
+_WHAT = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
+         "string_type": "a string", "dict_type": "an object"}
+_WHAT_LIST = {"stop": "a string or a list of strings", "stop_token_ids": "a list of token ids"}
+
+
+def _message(error: dict) -> str:
+    """A pydantic error in the words of vLLM's (and this module's) 400s."""
+    key, kind, value = error["loc"][0], error["type"], error["input"]
+    if kind == "request":
+        return error["msg"]
+    if kind == "missing" and key == "prompt":
+        return "'prompt' is required: a string, a list of token ids, or a list of either"
+    if len(error["loc"]) > 1 and key in _ITEM:
+        return _ITEM[key].format(error["loc"][1])
+    if key in _WHOLE:
+        return _WHOLE[key]
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal"):
+        return _RANGE[key].format(_show(value))
+    what = _WHAT_LIST.get(key) or _WHAT.get(kind, error["msg"])
+    return f"'{key}' must be {what}, got {_show(value)}"
+
+
+Request = TypeVar("Request", bound=SamplingRequest)
+
+
+def _validate(model: type[Request], body) -> Request:
+    if not isinstance(body, dict):
+        raise bad(None, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = min(err.errors(include_url=False), key=lambda e: _ORDER.index(e["loc"][0]))
+        raise bad(first["loc"][0], _message(first)) from None
 
 
 def parse_completion(body) -> GenerationRequest:
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
-    prompt = body["prompt"]
-    if isinstance(prompt, str) or (_is_token_list(prompt) and prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (_is_token_list(p) and p) for p in prompt):
-        prompts = prompt
-    else:
-        raise bad("prompt", "'prompt' must be a string, a non-empty list of token ids, "
-                            "or a non-empty list of strings or token-id lists")
-    if body.get("echo"):
-        raise bad("echo", "echo is not supported by kvengine")
-    fields = _sampling_fields(body)
-    if fields["max_tokens"] is None and "max_tokens" not in body:
-        fields["max_tokens"] = 16  # the OpenAI and vLLM default for completions
-    return GenerationRequest(prompts=prompts, **fields)
+    req = _validate(CompletionRequest, body)
+    return req.generation(req.prompts)
 
 
 def parse_chat(body, render=None) -> tuple[GenerationRequest, list[dict]]:
     """render(messages) -> prompt text: the checkpoint's chat template; default render_chat."""
-    if not isinstance(body, dict):
-        raise bad(None, "the request body must be a JSON object")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise bad("messages", f"messages[{i}] must be an object with string 'role' and 'content'")
-    fields = _sampling_fields(body)
-    completion_tokens = _integer(body, "max_completion_tokens", None, 1,
-                                 message="max_completion_tokens must be at least 1, got {}.")
-    if completion_tokens is not None:  # vLLM: it wins over the deprecated max_tokens
-        fields.update(max_tokens=completion_tokens, max_tokens_param="max_completion_tokens")
+    req = _validate(ChatCompletionRequest, body)
+    messages = body["messages"]  # as sent: a template may read keys besides role and content
     try:
         prompt = (render or render_chat)(messages)
     except ValueError as err:  # the template's raise_exception, or a failing template
         raise bad("messages", str(err)) from None
-    return GenerationRequest(prompts=[prompt], **fields), messages
+    fields = {}
+    if req.max_completion_tokens is not None:  # vLLM: it wins over the deprecated max_tokens
+        fields = {"max_tokens": req.max_completion_tokens, "max_tokens_param": "max_completion_tokens"}
+    return req.generation([prompt], **fields), messages
 
 
 def render_chat(messages: list[dict]) -> str:
