@@ -5,17 +5,20 @@ Server: the bundled engine's torch executor (`EngineTarget(executor="torch",
 preset="tiny", device="cpu")`: real forward passes of the tiny random Llama) or,
 with --server vllm, vLLM's CPU build in ./.venv-vllm (`VllmTarget`, serving
 tests/checkpoint.py's tiny checkpoint, written in float32 to a temporary folder: vLLM's
-`--dtype auto` serves it in bf16, so its KV pool holds twice the tokens of the engine's; the
-simulator models each server in the dtype the server reports, as kvtune search's stage 1 does).
+`--dtype auto` serves it in bf16, so the same bytes hold twice the tokens they hold on the
+engine; the simulator models each server in the dtype the server reports, as kvtune search's
+stage 1 does).
 
 Workload: `kvtune trace synth` single-turn requests (default 64 at 32 req/s
 with --quick, 96 without; constant arrivals, prompts 96-192 tokens, answers
 24-48), the same trace shape
 for both servers, under real KV pressure: every config, the default included,
-runs on one fixed KV pool of --pool-bytes (default 2 MiB: 1024 float32 tokens
-of the tiny model, 4096 fp8 ones; passed as --kv-cache-memory-bytes, fixed
+runs on one fixed KV pool of --pool-bytes (default: 1024 tokens of the served
+16- or 32-bit K/V, 4096 (engine) or 2048 (vLLM) fp8 ones: 2 MiB on the engine's
+float32, 1 MiB on vLLM's bf16; passed as --kv-cache-memory-bytes, fixed
 --max-model-len 512), so the target's default (block 128, 128 seqs, auto)
-preempts. The SLOs default to ttft_p95=2s, tpot_p95=150ms; the objective is
+preempts. (vLLM on 2 MiB, 2048 bf16 tokens: every config served about the
+offered rate, the grid's best did not beat the default, and tau ranked noise.) The SLOs default to ttft_p95=2s, tpot_p95=150ms; the objective is
 kvtune's goodput (requests/s meeting every SLO). At 32 req/s the pool decides:
 configs that hold fewer requests at once queue, miss the TTFT SLO and fall
 apart by whole req/s. At the earlier 16 req/s every config served the offered
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=32.0)
     ap.add_argument("--input-len", default="96-192")
     ap.add_argument("--output-len", default="24-48")
-    ap.add_argument("--pool-bytes", type=int, default=2 << 20, help="the fixed KV pool (default: 2 MiB)")
+    ap.add_argument("--pool-bytes", type=int, default=None,
+                    help="the fixed KV pool (default: 1024 tokens of the served K/V: 2 MiB engine, 1 MiB vLLM)")
     ap.add_argument("--slo", action="append", default=None, help="default: ttft_p95=2s, tpot_p95=150ms")
     ap.add_argument("--trials", type=int, default=None, help="stage-1 trials (default: 24 --quick, 48)")
     ap.add_argument("--top-k", type=int, default=None,
@@ -322,6 +326,7 @@ def main(argv=None) -> int:
     args.mode = "quick" if args.quick else "full"
     args.slo = args.slo or ["ttft_p95=2s", "tpot_p95=150ms"]
     args.requests = args.requests or (64 if args.quick else 96)
+    args.pool_bytes = args.pool_bytes or ((2 if args.server == "engine" else 1) << 20)  # 1024 served tokens
     args.trials = args.trials or (24 if args.quick else 48)
     blocks, seqs, dtypes = GRIDS[args.server][args.mode]
     args.grid = (tuple(map(int, args.blocks.split(","))) if args.blocks else blocks,
