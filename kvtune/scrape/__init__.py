@@ -10,10 +10,11 @@
 from .histogram import Histogram, Quantile, bounded_quantile, bucket_quantile
 from .log import GaugeStats, ScrapeLog
 from .names import METRICS, Metric, Source
-from .parse import Snapshot, parse_exposition
-from .scraper import ScrapeError, Scraper, fetch, metrics_url
+from .parse import Snapshot, config_from_info, parse_exposition
+from .scraper import ScrapeError, Scraper, fetch, metrics_url, reported_config
 
 __all__ = [
     "METRICS", "GaugeStats", "Histogram", "Metric", "Quantile", "ScrapeError", "ScrapeLog", "Scraper",
-    "Snapshot", "Source", "bounded_quantile", "bucket_quantile", "fetch", "metrics_url", "parse_exposition",
+    "Snapshot", "Source", "bounded_quantile", "bucket_quantile", "config_from_info", "fetch", "metrics_url",
+    "parse_exposition", "reported_config",
 ]

@@ -166,3 +166,26 @@ def _model_names(expo: _Exposition, snap: Snapshot) -> str | None:
              if MODEL_LABEL in s.labels}
     return ",".join(sorted(names)) or None
 
+
+def config_from_info(info: dict) -> dict:
+    """The config that vllm:cache_config_info's labels (every one a string) report."""
+    out = {"block_size": _int(info.get("block_size")),
+           "gpu_memory_utilization": _float(info.get("gpu_memory_utilization")),
+           "kv_cache_dtype": info.get("cache_dtype"),
+           "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
+           "num_gpu_blocks": _int(info.get("num_gpu_blocks")),
+           "num_gpu_blocks_override": _int(info.get("num_gpu_blocks_override")),
+           "kv_cache_memory_bytes": _int(info.get("kv_cache_memory_bytes")),
+           "kv_cache_size_tokens": _int(info.get("kv_cache_size_tokens"))}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _int(text):
+    return int(text) if isinstance(text, str) and text.isdigit() else None
+
+
+def _float(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None

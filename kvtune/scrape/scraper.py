@@ -14,7 +14,7 @@ import httpx
 
 from ..httpclient import HTTP_ERRORS, http_client
 from .log import ScrapeLog
-from .parse import Snapshot, parse_exposition
+from .parse import Snapshot, config_from_info, parse_exposition
 
 # Never ask for OpenMetrics: prometheus-client then escapes `vllm:` to `vllm_` in sample names.
 ACCEPT = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,6 +51,15 @@ def fetch(url: str, timeout_s: float = 5.0, client: httpx.Client | None = None) 
         raise ScrapeError(f"{url} answered HTTP {response.status_code} {response.reason_phrase}",
                           retryable=response.status_code >= 500)
     return response.content.decode("utf-8", errors="replace")
+
+
+def reported_config(url: str, timeout_s: float = 10.0) -> dict:
+    """What one scrape of the server's /metrics says of its config (config_from_info); {} where it
+    has no /metrics, or no Prometheus text or cache_config_info there."""
+    try:
+        return config_from_info(parse_exposition(fetch(metrics_url(url), timeout_s)).info)
+    except (ScrapeError, ValueError):
+        return {}
 
 
 def _reason(err: BaseException):

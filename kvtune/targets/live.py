@@ -15,14 +15,7 @@ from kvengine.config import EngineConfig
 from ..httpclient import HTTP_ERRORS, http_get
 from ..loadgen import run_load
 from ..results import RequestRecord, RunResult, summarize
-from ..scrape import (
-    ScrapeError,
-    ScrapeLog,
-    Scraper,
-    fetch,
-    metrics_url,
-    parse_exposition,
-)
+from ..scrape import ScrapeError, ScrapeLog, Scraper, config_from_info
 from ..workload import Workload, workload_stats, write_workload
 from . import hostcpu
 from .base import TargetRunError
@@ -85,15 +78,6 @@ def server_version(url: str) -> str | None:
         return str(resp.json()["version"]) if resp.status_code < 400 else None
     except (*HTTP_ERRORS, ValueError, KeyError, TypeError):
         return None
-
-
-def reported_config(url: str) -> dict:
-    """What one scrape of the server's /metrics says of its config (config_from_info); {} where it
-    has no /metrics or no cache_config_info."""
-    try:
-        return config_from_info(parse_exposition(fetch(metrics_url(url), timeout_s=10)).info)
-    except (ScrapeError, ValueError):
-        return {}
 
 
 def run_live(url: str, workload: Workload, target: str, model_label: str | None,
@@ -344,27 +328,3 @@ def bucket_around(bounds: list[float], value: float) -> tuple[float, float]:
 def config_from_cache_info(log: ScrapeLog) -> dict:
     """The server's config as its latest vllm:cache_config_info reports it."""
     return config_from_info(next((s.info for s in reversed(log.snapshots) if s.info), {}))
-
-
-def config_from_info(info: dict) -> dict:
-    """The config that vllm:cache_config_info's labels (every one a string) report."""
-    out = {"block_size": _int(info.get("block_size")),
-           "gpu_memory_utilization": _float(info.get("gpu_memory_utilization")),
-           "kv_cache_dtype": info.get("cache_dtype"),
-           "enable_prefix_caching": {"True": True, "False": False}.get(info.get("enable_prefix_caching")),
-           "num_gpu_blocks": _int(info.get("num_gpu_blocks")),
-           "num_gpu_blocks_override": _int(info.get("num_gpu_blocks_override")),
-           "kv_cache_memory_bytes": _int(info.get("kv_cache_memory_bytes")),
-           "kv_cache_size_tokens": _int(info.get("kv_cache_size_tokens"))}
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _int(text):
-    return int(text) if isinstance(text, str) and text.isdigit() else None
-
-
-def _float(text):
-    try:
-        return float(text)
-    except (TypeError, ValueError):
-        return None

@@ -17,9 +17,10 @@ from kvengine.config import ConfigError, EngineConfig, device_preset, model_pres
 from kvengine.entrypoints.flags import launch_flags
 
 from ..results import RunResult
+from ..scrape import reported_config
 from ..workload import Workload
 from .base import TargetStartError
-from .live import LiveOptions, reported_config, run_live, served_model
+from .live import LiveOptions, run_live, served_model
 from .process import ManagedServer, free_port
 from .rules import TargetRules, engine_rules, sglang_rules, vllm_platform, vllm_rules
 
