@@ -323,6 +323,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.profile and not args.profile_db:
         ap.error("--profile needs --profile-db (the sqlite file kvtune calibrate --db wrote it to)")
+    if args.pool_bytes is not None and args.pool_bytes <= 0:
+        ap.error(f"--pool-bytes must be a positive number of bytes, got {args.pool_bytes}")
     args.mode = "quick" if args.quick else "full"
     args.slo = args.slo or ["ttft_p95=2s", "tpot_p95=150ms"]
     args.requests = args.requests or (64 if args.quick else 96)
