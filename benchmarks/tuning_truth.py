@@ -59,10 +59,15 @@ lies above the default's; then the verdict must be better or smallest_change,
 else keep_default or inconclusive), kendall_tau (scipy's tau-b between each
 grid config's goodput on the simulator, `SimTarget(model_preset("tiny"),
 device_preset("cpu"))` with the same pool, one run each, and its live grid
-mean; goal >= 0.7), live_runs_used (the search's) and grid_live_runs. With
+mean; goal >= 0.7), live_runs_used (the search's) and grid_live_runs. Beside
+it, separated_tau: the same concordance over only the pairs of configs whose
+grid intervals do not overlap (a pair the grid cannot tell apart is ranked by
+noise, whatever the simulator says), with separated_pairs, their count. With
 --calibrate (or --profile NAME --profile-db FILE) a calibrated cost profile
 runs the simulator instead, for the ranking and for the search's stage 1;
-kvtune calibrate refuses a fit on a noisy host, and then the presets run.
+kvtune calibrate refuses a fit on a noisy host, and then the presets run. The
+calibration runs on CALIBRATION_POOLS times the grid's pool, in the grid's
+smallest blocks, so that its probes time the batches the grid's configs run.
 
 --quick took 7-9 minutes on the engine on a shared 2-core host (36 grid runs of
 about 10 s each, a server start included, then about 90 s of search); a vLLM
@@ -110,6 +115,13 @@ GRIDS = {  # server -> mode -> knob values
              "full": ((32, 64, 128), (8, 32, 128), ("auto", "fp8"))},
 }
 MAX_MODEL_LEN = 512
+# The calibration's pool, in grid pools. Step costs do not depend on the pool's size, but its probes
+# can only time the batches it holds: the grid's pool at the default's 128-token blocks holds 6 of
+# the probes' decodes at once, while the grid's fp8 configs run 20 and more; a fit that saw 6
+# priced every further sequence at nothing (per_seq_overhead_s at its floor) and scored every fp8
+# config the same. 8 pools in 32-token blocks hold the probes' largest batch (64).
+CALIBRATION_POOLS = 8
+GRID_INPUTS = ("server", "repeats", "requests", "rate", "input_len", "output_len", "pool_bytes", "slo", "grid")
 class Stop(Exception):
     """SIGTERM/SIGHUP: unwind through the finally blocks that stop the servers."""
 
@@ -177,7 +189,7 @@ def track_servers(target) -> list:
 def run_grid(target, configs: list[dict], base: EngineConfig, workload, objective, repeats: int) -> dict:
     """{key: {"params", "values": [goodput or None], "feasible": [...], "preemptions": [...], "doubts": [...]}}"""
     out = {key(p): {"params": p, "values": [], "feasible": [], "preemptions": [], "doubts": [], "errors": [],
-                    "reported": {}} for p in configs}
+                    "observed": [], "reported": {}} for p in configs}
     n, total, t0 = 0, repeats * len(configs), time.perf_counter()
     for r in range(repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]  # interleaved, rotated per round
@@ -189,6 +201,7 @@ def run_grid(target, configs: list[dict], base: EngineConfig, workload, objectiv
                 cell["values"].append(values[0])
                 cell["feasible"].append(sc.feasible)
                 cell["preemptions"].append(result.summary.get("preemptions"))
+                cell["observed"].append(sc.observed)
                 cell["doubts"] += run_doubts(result, sc)
                 cell["reported"] = result.config  # the config the server reported it ran
                 what = f"goodput {values[0]:.2f} req/s{'' if sc.feasible else ' (misses SLOs)'}, " \
@@ -212,10 +225,12 @@ def sim_target(profile_db: str | None, profile: str | None) -> SimTarget:
 
 
 def calibrate(args, db: str, log_dir: Path) -> str | None:
-    """`kvtune calibrate` of the grid's server on the grid's pool into `db`; the profile's name, or
-    None where kvtune refused the fit (then nothing was saved and the presets' simulator is used)."""
+    """`kvtune calibrate` of the grid's server into `db`, on CALIBRATION_POOLS times the grid's pool in
+    the grid's smallest blocks; the profile's name, or None where kvtune refused the fit (then nothing
+    was saved and the presets' simulator is used)."""
     cmd = [PY, "-m", "kvtune", "calibrate", "--target", args.server, "--name", "truth", "--db", db,
-           "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(args.pool_bytes),
+           "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(min(args.grid[0])),
+           "--kv-cache-memory-bytes", str(CALIBRATION_POOLS * args.pool_bytes),
            "--server-log-dir", str(log_dir)] + (["--quick"] if args.quick else [])
     if args.server == "vllm":
         cmd += ["--model", args.ckpt, "--vllm-platform", "cpu", "--preset", "tiny", "--device", "cpu"]
@@ -242,14 +257,31 @@ def as_served(sim: SimTarget, grid: dict) -> SimTarget:
 
 
 def sim_values(configs: list[dict], base: EngineConfig, workload, objective, sim: SimTarget) -> dict:
+    """{key: (goodput, its SLO percentiles, preemptions)} of one simulator run each."""
     out = {}
     for params in configs:
         try:
-            values, _, _ = objective.evaluate(sim.run, dataclasses.replace(base, **params), workload)
-            out[key(params)] = values[0]
+            values, sc, result = objective.evaluate(sim.run, dataclasses.replace(base, **params), workload)
+            out[key(params)] = (values[0], sc.observed, result.summary.get("preemptions"))
         except (TargetStartError, TargetRunError):
-            out[key(params)] = 0.0
+            out[key(params)] = (0.0, {}, None)
     return out
+
+
+def save_grid(path: Path, grid: dict, grid_s: float, args) -> None:
+    """The measured grid, so --grid can rank it again without measuring it again."""
+    inputs = {k: getattr(args, k) for k in GRID_INPUTS}
+    path.write_text(json.dumps({"inputs": inputs, "grid_s": grid_s, "cells": list(grid.values())}, default=list))
+
+
+def load_grid(path: str, args) -> tuple[dict, float]:
+    data = json.loads(Path(path).read_text())
+    inputs = {k: getattr(args, k) for k in GRID_INPUTS}
+    saved = {k: (tuple(tuple(x) for x in v) if k == "grid" else v) for k, v in data["inputs"].items()}
+    differ = [f"{k} {saved.get(k)!r} (saved) vs {inputs[k]!r}" for k in GRID_INPUTS if saved.get(k) != inputs[k]]
+    if differ:
+        raise SystemExit(f"error: --grid {path} was measured on other inputs: {'; '.join(differ)}")
+    return {key(c["params"]): c for c in data["cells"]}, data["grid_s"]
 
 
 def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, grid_runs: int) -> tuple[dict | None, str]:
@@ -280,6 +312,23 @@ def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, gr
         return json.loads(lines[-1]), text
     except (IndexError, ValueError):
         return None, text + f"\n(exit {proc.returncode})"
+
+
+def separated_concordance(sims: list[float], ivs: list) -> tuple[float | None, int]:
+    """(concordant - discordant) / pairs over the pairs whose live intervals do not overlap (a sim
+    tie counts as neither), and how many such pairs there are."""
+    score = pairs = 0
+    for i, j in itertools.combinations(range(len(ivs)), 2):
+        if ivs[i].overlaps(ivs[j]):
+            continue
+        pairs += 1
+        live, sim = ivs[i].mean - ivs[j].mean, sims[i] - sims[j]
+        score += (live * sim > 0) - (live * sim < 0)
+    return (score / pairs if pairs else None), pairs
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 def kendall(xs: list[float], ys: list[float]) -> float | None:
@@ -314,8 +363,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", help="override the grid's kv_cache_dtype values, e.g. auto,fp8")
     ap.add_argument("--live-budget", type=int, default=None, help="default: a quarter of the grid's runs")
     ap.add_argument("--no-search", action="store_true", help="the grid and the simulator only")
+    ap.add_argument("--grid", dest="grid_file", metavar="FILE",
+                    help="a grid.json an earlier run saved (same inputs): rank it again, measure no grid")
     ap.add_argument("--calibrate", action="store_true",
-                    help="first `kvtune calibrate` the server (on the grid's pool; --quick with --quick); its "
+                    help="first `kvtune calibrate` the server (on 8 grid pools; --quick with --quick); its "
                          "profile, if kvtune saves one, runs the simulator of the ranking and of stage 1")
     ap.add_argument("--profile", metavar="NAME", help="a calibrated profile for the simulator (and stage 1)")
     ap.add_argument("--profile-db", metavar="SQLITE_PATH", help="the sqlite file that holds --profile")
@@ -372,14 +423,20 @@ def main(argv=None) -> int:
           f"SLOs {', '.join(args.slo)}; grid {len(configs)} configs x {args.repeats} runs, interleaved, "
           f"a server start per run; default {label(dict(zip(KNOBS, dkey)))}; work dir {workdir}", flush=True)
 
-    t_grid = time.perf_counter()
-    servers = track_servers(target)
-    try:
-        grid = run_grid(target, configs, base, workload, objective, args.repeats)
-    finally:
-        for server in servers:
-            server.stop()  # a no-op for those already stopped
-    grid_s = time.perf_counter() - t_grid
+    if args.grid_file:
+        grid, grid_s = load_grid(args.grid_file, args)
+        log(f"the grid measured earlier: {args.grid_file}")
+    else:
+        t_grid = time.perf_counter()
+        servers = track_servers(target)
+        try:
+            grid = run_grid(target, configs, base, workload, objective, args.repeats)
+        finally:
+            for server in servers:
+                server.stop()  # a no-op for those already stopped
+        grid_s = time.perf_counter() - t_grid
+        save_grid(workdir / "grid.json", grid, grid_s, args)
+        log(f"the grid is saved in {workdir / 'grid.json'} (--grid FILE ranks it again)")
     sim = as_served(sim_target(args.profile_db, args.profile), grid)
     sims = sim_values(configs, base, workload, objective, sim)
     ivs = {k: interval(c["values"]) for k, c in grid.items()}
@@ -396,8 +453,12 @@ def main(argv=None) -> int:
         prem = [p for p in c["preemptions"] if p is not None]
         marks = (" <- default" if k == dkey else "") + (" <- best" if k == best_key else "")
         figs = f"{iv.mean:6.2f} [{iv.lo:.2f}, {iv.hi:.2f}] n={iv.n}" if iv else "   -- no run completed"
+        ttft = [o.get("ttft_p95") for o in c.get("observed", []) if o.get("ttft_p95") is not None]
+        sim_v, sim_obs, sim_prem = sims[k]
         print(f"  {label(c['params'])}  {figs}  meets SLOs {sum(c['feasible'])}/{len(c['values'])}  "
-              f"preemptions {sum(prem) / len(prem) if prem else float('nan'):.1f}  sim {sims[k]:.2f}{marks}"
+              f"ttft p95 {_ms(sum(ttft) / len(ttft) if ttft else None)}  "
+              f"preemptions {sum(prem) / len(prem) if prem else float('nan'):.1f}  "
+              f"| sim {sim_v:.2f}, ttft p95 {_ms(sim_obs.get('ttft_p95'))}, preemptions {sim_prem}{marks}"
               + (f"  errors: {c['errors'][0]}" if c["errors"] else "")
               + (f"  doubts: {len(c['doubts'])}" if c["doubts"] else ""))
     doubts = Counter(re.sub(r"\d+", "N", d) for c in grid.values() for d in c["doubts"])
@@ -410,18 +471,22 @@ def main(argv=None) -> int:
           + (f"{dflt.mean:.2f} [{dflt.lo:.2f}, {dflt.hi:.2f}])" if dflt else "no run completed)"))
 
     keys = [k for k in measured]
-    tau = kendall([sims[k] for k in keys], [measured[k].mean for k in keys])
+    tau = kendall([sims[k][0] for k in keys], [measured[k].mean for k in keys])
     print(f"Kendall's tau, simulator vs live grid means over {len(keys)} configs: "
           f"{'n/a' if tau is None else f'{tau:.3f}'} (goal >= 0.7)")
+    sep_tau, sep_pairs = separated_concordance([sims[k][0] for k in keys], [measured[k] for k in keys])
+    print(f"over the {sep_pairs} of {len(keys) * (len(keys) - 1) // 2} pairs the grid separates (intervals apart): "
+          f"{'n/a' if sep_tau is None else f'{sep_tau:.3f}'}")
 
     out = {"server": args.server, "mode": args.mode, "grid_live_runs": grid_runs, "grid_s": round(grid_s, 1),
            "sim": (f"profile {args.profile}" if args.profile else "presets tiny/cpu") + f", {sim.model.dtype}",
            "kendall_tau": None if tau is None else round(tau, 3), "grid_beats_default": grid_beats,
+           "separated_tau": None if sep_tau is None else round(sep_tau, 3), "separated_pairs": sep_pairs,
            "best": dict(zip(KNOBS, best_key)), "default": dict(zip(KNOBS, dkey)),
            "recommended_over_best": None, "tied_with_best": None, "verdict_right": None, "verdict": None,
            "recommended": None, "live_runs_used": None,
            "grid": [{**grid[k]["params"], "mean": iv.mean if iv else None, "lo": iv.lo if iv else None,
-                     "hi": iv.hi if iv else None, "n": iv.n if iv else 0, "sim": sims[k],
+                     "hi": iv.hi if iv else None, "n": iv.n if iv else 0, "sim": sims[k][0],
                      "feasible_runs": sum(grid[k]["feasible"]), "doubts": len(grid[k]["doubts"])}
                     for k, iv in ivs.items()]}
     if not args.no_search:

@@ -222,6 +222,23 @@ def test_loaded_probes_shrink_their_background_to_fit_a_small_pool():
         assert all(f"B={p.background} " in p.label for p in loaded)
 
 
+def test_probes_fit_a_pool_of_large_blocks_and_say_what_they_cannot_time():
+    """1,024 tokens in blocks of 128 are 8 blocks: each 56-token decode holds a whole block, so 6
+    (80% of the pool) decode at once, not 14. A decode batch the pool cannot hold would run in
+    waves; the plan times the largest it holds instead, and says that larger batches are
+    extrapolated (a fit that saw 6 priced every further sequence at nothing)."""
+    plan = design_probes(512, max_batch=64, pool_tokens=1024, block_size=128, quick=True)
+    decodes = sorted({p.batch for p in plan.probes if p.kind == "decode"})
+    assert decodes == [1, 4, 6]
+    assert all(p.kv_tokens(128) <= 0.8 * 1024 for p in plan.probes)
+    assert len(plan.notes) == 1 and "at most 6 sequences (not 64)" in plan.notes[0]
+    # Counted in tokens, the same pool seemed to hold twice as many.
+    assert max(p.kv_tokens(1) for p in plan.probes if p.kind == "decode") < 0.8 * 1024 / 2
+    # In blocks of 32 (two per request) 8x the pool holds the plan's largest batch: no note.
+    roomy = design_probes(512, max_batch=64, pool_tokens=8 * 1024, block_size=32, quick=True)
+    assert max(p.batch for p in roomy.probes) == 64 and roomy.notes == []
+
+
 def decode_run(probe, gap_s: float, tokens: int = 24) -> ProbeRun:
     times = [0.01 + gap_s * i for i in range(tokens)]
     return ProbeRun(probe, [TrialRun(None, [[1]] * probe.batch, [RequestTiming(0.0, times)] * probe.batch)])

@@ -151,13 +151,17 @@ class Probe:
         """Tokens each background request is asked for: enough to outlast every arrival."""
         return LOADED_FIRST + LOADED_SPACING * self.repeats + 4 * LOADED_SPACING
 
-    def kv_tokens(self) -> int:
+    def kv_tokens(self, block_size: int = 1) -> int:
         """The most KV the probe holds at once: each batch request's whole context; for a loaded
-        probe the background's and two arrivals' (one answered, the next sent)."""
+        probe the background's and two arrivals' (one answered, the next sent). Each request's
+        is rounded up to whole blocks of `block_size`: a pool of 8 blocks of 128 tokens holds
+        8 decodes of 56 tokens, not 18."""
+        def held(tokens: int) -> int:
+            return -(-tokens // block_size) * block_size
         if not self.background:
-            return self.batch * (self.prompt_len + self.max_tokens)
-        return (sum(self.background_lens()) + self.background * self.background_tokens()
-                + 2 * (self.prompt_len + self.max_tokens))
+            return self.batch * held(self.prompt_len + self.max_tokens)
+        return (sum(held(n + self.background_tokens()) for n in self.background_lens())
+                + 2 * held(self.prompt_len + self.max_tokens))
 
     def background_lens(self) -> list[int]:
         """The background's prompt lengths: spread from 32 to background_len (uneven
@@ -171,6 +175,7 @@ class Probe:
 @dataclass
 class ProbePlan:
     probes: list[Probe]
+    notes: list[str] = field(default_factory=list)  # where the pool kept the plan from its design
 
     @property
     def num_requests(self) -> int:
@@ -187,12 +192,15 @@ def _geometric(lo: int, hi: int, n: int) -> list[int]:
 
 
 def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | None = None,
-                  pool_tokens: int | None = None, batch_tokens: int = 2048, quick: bool = False) -> ProbePlan:
+                  pool_tokens: int | None = None, batch_tokens: int = 2048, quick: bool = False,
+                  block_size: int = 1) -> ProbePlan:
     """The probe set for a server with this context limit.
 
     max_batch    the largest decode batch (keep it <= the server's max_num_seqs).
     max_prompt   the longest prompt (default: most of max_model_len).
-    pool_tokens  the KV pool's size in tokens, when known: long-context batches fit in it.
+    pool_tokens  the KV pool's size in tokens, when known: every probe's requests fit in it
+                 at once (a batch the pool cannot hold runs in waves, and times other steps).
+    block_size   the pool's block size: each request holds whole blocks.
     batch_tokens the server's token budget per step (max_num_batched_tokens): a long-context
                  batch decodes long enough to outlast its chunked prefills.
     quick        fewer lengths, batch sizes and repeats (a smoke run).
@@ -213,17 +221,22 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
         batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
     # Three trials each (their median): a decode probe lasts a fraction of a second, and one
     # hiccup of a shared machine in it moved a whole batch size's ITL by 20%.
+    room = pool_tokens if pool_tokens else max_model_len * max_batch
+    notes: list[str] = []
+    batches = _held_batches(batches, Probe("decode", "", decode_len, decode_tokens, (ITL,)), room, block_size,
+                            notes)
     for b in batches:
         probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b,
                             repeats=DECODE_REPEATS))
-    drift_check = Probe("decode", f"decode B={min(4, max_batch)} (drift check)", decode_len, decode_tokens, (ITL,),
-                        batch=min(4, max_batch), repeats=DECODE_REPEATS)
+    check = min(4, max_batch, batches[-1])
+    drift_check = Probe("decode", f"decode B={check} (drift check)", decode_len, decode_tokens, (ITL,),
+                        batch=check, repeats=DECODE_REPEATS)
     probes.insert(0, drift_check)
-    room = pool_tokens if pool_tokens else max_model_len * max_batch
     contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
     for length in contexts:
         for b in (1, 4, 16):
-            if b <= max_batch and b * (length + decode_tokens) <= 0.8 * room:
+            context = Probe("context", "", length, decode_tokens, (ITL,), batch=b)
+            if b <= max_batch and context.kv_tokens(block_size) <= 0.8 * room:
                 prefill_steps = -(-b * length // batch_tokens)
                 probes.append(Probe("context", f"context B={b} L={length}", length,
                                     decode_tokens + prefill_steps, (ITL,), batch=b))
@@ -253,20 +266,40 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     probes.append(drift_check)
     plan, loaded = [], []
     for probe in probes:
-        probe = _fit_pool(probe, 0.8 * room)
+        probe = _fit_pool(probe, 0.8 * room, block_size)
         if probe is None or probe in loaded:  # a halved background may repeat another probe
             continue
         if probe.background:
             loaded.append(probe)
         plan.append(probe)
-    return ProbePlan(plan)
+    return ProbePlan(plan, notes)
 
 
-def _fit_pool(probe: Probe, room: float) -> Probe | None:
+def _held_batches(batches: list[int], one: Probe, pool_tokens: int, block_size: int, notes: list[str]) -> list[int]:
+    """The decode batches whose requests (each like `one`) 80% of the pool holds at once; where it holds
+    fewer than the largest, the largest it holds takes their place, and `notes` says so: the fit
+    then never sees a step of more sequences, and a search running more extrapolates."""
+    per_request = one.kv_tokens(block_size)
+    most = max(1, int(0.8 * pool_tokens // per_request))
+    held = [b for b in batches if b <= most]
+    if len(held) == len(batches):
+        return batches
+    if not held or held[-1] < most:
+        held.append(most)
+    blocks = f" in blocks of {block_size} tokens" if block_size > 1 else ""
+    notes.append(f"the KV pool ({pool_tokens:,} tokens{blocks}) holds {most} decoding requests of "
+                 f"{one.prompt_len + one.max_tokens} tokens at once, so the fit sees decode steps of at most "
+                 f"{most} sequences (not {batches[-1]}); a config that runs more at once is priced by "
+                 "extrapolation. Step costs do not depend on the pool's size: calibrate on a larger pool "
+                 "(--kv-cache-memory-bytes, --gpu-memory-utilization) or a smaller --block-size to see them")
+    return held
+
+
+def _fit_pool(probe: Probe, room: float, block_size: int = 1) -> Probe | None:
     """A loaded probe whose background would outgrow the pool gets a smaller background
     (halved until it fits; None if none does): preempted, the background stalls while the
     others finish, and the probe times recomputation, not the steps it designs."""
-    while probe.background and probe.kv_tokens() > room:
+    while probe.background and probe.kv_tokens(block_size) > room:
         if probe.background == 1:
             return None
         b = probe.background // 2

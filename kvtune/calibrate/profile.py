@@ -44,6 +44,7 @@ class CalibrationProfile:
     drift: dict = field(default_factory=dict)  # probes.speed_drift: the server's speed, first probe to last
     fit: dict = field(default_factory=dict)  # cost, nfev, message
     dtype: str = ""  # the dtype the server ran the model in, where that is not the preset's (plan.served_dtype)
+    notes: list[str] = field(default_factory=list)  # what the probes could not cover (ProbePlan.notes)
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: int = PROFILE_VERSION
 

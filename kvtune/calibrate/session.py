@@ -64,8 +64,11 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
     plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
                          max_prompt=max_prompt, pool_tokens=pool,
-                         batch_tokens=server_config.max_num_batched_tokens, quick=quick)
+                         batch_tokens=server_config.max_num_batched_tokens, quick=quick,
+                         block_size=server_config.block_size)
     if progress:
+        for note in plan.notes:
+            progress(f"note: {note}")
         progress(f"probing {url} ({info.model_name}, max_model_len {info.max_model_len}): {len(plan)} probes, "
                  f"{plan.num_requests} requests")
     t0 = time.perf_counter()
@@ -90,7 +93,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         residuals=result.residuals(), roofline_residuals=result.initial,
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
-        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {},
+        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {}, notes=list(plan.notes),
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
     reasons = degenerate_reasons(result)
     if reasons:
@@ -166,6 +169,7 @@ def format_profile(profile: CalibrationProfile) -> str:
              (f"  {'client overhead':<29}{profile.client_overhead_s * 1e3:8.3f} ms idle, "
               f"{profile.client_overhead_busy_s * 1e3:.3f} ms busy (on TTFT; the engine core does not model it)"),
              *_drift_lines(profile.drift),
+             *(f"  note: {note}" for note in profile.notes),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
     for kind, r in profile.residuals.items():
         u = profile.roofline_residuals.get(kind, {})
