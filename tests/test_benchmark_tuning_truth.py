@@ -1,0 +1,56 @@
+"""benchmarks/tuning_truth.py without servers: the concordance over the pairs the grid separates,
+and a saved grid read back only for the inputs it was measured on."""
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtune.search.ranking import Interval
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("tuning_truth", REPO / "benchmarks" / "tuning_truth.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_only_pairs_the_grid_separates_count(bench):
+    ivs = [Interval(20, 19, 21, 3), Interval(20.5, 19.5, 21.5, 3), Interval(10, 9, 11, 3), Interval(30, 29, 31, 3)]
+    # The first two overlap: whatever the sim says of them is not scored.
+    score, pairs = bench.separated_concordance([1.0, 5.0, 0.5, 9.0], ivs)
+    assert pairs == 5 and score == 1.0
+    # The sim puts the 10 req/s config above all three: discordant with both 20s and with the 30.
+    score, pairs = bench.separated_concordance([1.0, 5.0, 10.0, 9.0], ivs)
+    assert pairs == 5 and score == pytest.approx((2 - 3) / 5)
+    # A sim tie is neither concordant nor discordant.
+    score, _ = bench.separated_concordance([1.0, 1.0, 1.0, 1.0], ivs)
+    assert score == 0.0
+    assert bench.separated_concordance([1.0, 2.0], ivs[:2]) == (None, 0)
+
+
+def _args(**changes):
+    args = argparse.Namespace(server="engine", repeats=3, requests=64, rate=32.0, input_len="96-192",
+                              output_len="24-48", pool_bytes=2 << 20, slo=["ttft_p95=2s"],
+                              grid=((32, 128), (8,), ("auto", "fp8")))
+    for k, v in changes.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_a_saved_grid_is_read_back_for_its_own_inputs_only(bench, tmp_path):
+    params = {"block_size": 32, "max_num_seqs": 8, "kv_cache_dtype": "fp8"}
+    cell = {"params": params, "values": [20.0, 21.0, None], "feasible": [True, True], "errors": ["x"]}
+    path = tmp_path / "grid.json"
+    bench.save_grid(path, {bench.key(params): cell}, 12.5, _args())
+    grid, grid_s = bench.load_grid(str(path), _args())
+    assert grid_s == 12.5 and grid[(32, 8, "fp8")]["values"] == [20.0, 21.0, None]
+    with pytest.raises(SystemExit) as err:
+        bench.load_grid(str(path), _args(rate=16.0, pool_bytes=1 << 20))
+    assert "rate 32.0 (saved) vs 16.0" in str(err.value) and "pool_bytes" in str(err.value)
+    assert json.loads(path.read_text())["inputs"]["grid"] == [[32, 128], [8], ["auto", "fp8"]]
