@@ -2,6 +2,7 @@
 and a server that dies mid-probe fails clearly with nothing saved."""
 import argparse
 import dataclasses
+import math
 import json
 import subprocess
 import sys
@@ -253,6 +254,9 @@ def test_speed_drift_compares_the_closing_probe_with_the_opening_one():
     assert drift["first_s"] == pytest.approx(0.010) and drift["last_s"] == pytest.approx(0.012)
     assert drift["change"] == pytest.approx(0.2)
     assert speed_drift(runs[:1]) is None  # a plan without the check says nothing
+    # A closing check whose stream gave no gap (one token) has no timing: no drift, not "+nan%".
+    assert math.isnan(decode_run(check, 0.01, tokens=1).measured(ITL))
+    assert speed_drift([runs[0], decode_run(check, 0.01, tokens=1)]) is None
     other = dataclasses.replace(check, batch=check.batch * 2)
     assert speed_drift([decode_run(check, 0.01), decode_run(other, 0.01)]) is None
 

@@ -23,7 +23,7 @@ from kvtune.search.ranking import (
     describe,
     interval,
 )
-from kvtune.search.stage2 import LiveConfig, LivePlan, default_params, run_stage2
+from kvtune.search.stage2 import LiveConfig, LivePlan, default_params, live_candidates, run_stage2
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -169,3 +169,30 @@ def test_a_gain_under_two_percent_changes_no_flags_however_tight_its_runs():
     live = runs(A, 3, [4.44, 4.44, 4.45]) + runs(DEFAULT, -1, [4.38, 4.39, 4.40])
     verdict, _, _ = choose([], live, [SLO], DEFAULT)
     assert verdict.kind == KEEP_DEFAULT
+
+
+def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
+    """Light traffic never fills 64 sequences, so 64 and 256 run the same schedule to the bit: stage 2
+    runs one of them (the one nearer the default), and its budget goes to the next distinct config."""
+    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"))
+    objective = Objective("goodput", (SLO,))
+    light = Workload([TraceRequest(i / 4.0, 200, 20) for i in range(12)])
+    space = load_space(None, ["block_size=16,32", "max_num_seqs=64,256", "kv_cache_dtype=auto"])
+    configs = [{"block_size": 32, "max_num_seqs": 64, "kv_cache_dtype": "auto"}, A,
+               {"block_size": 16, "max_num_seqs": 64, "kv_cache_dtype": "auto"}]
+    trials = []
+    for number, params in enumerate(configs):
+        values, sc, _ = objective.evaluate(sim.run, space.config(params, EngineConfig()), light)
+        attrs = {"run_id": number, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
+                 **{f"observed_{k}": v for k, v in sc.observed.items()}}
+        dists = {k: optuna.distributions.CategoricalDistribution(sorted({c[k] for c in configs})) for k in params}
+        trial = optuna.trial.create_trial(params=params, distributions=dists, values=values, user_attrs=attrs)
+        trial.number = number
+        trials.append(trial)
+    candidates, notes = live_candidates(trials, 2, DEFAULT)
+    assert [c.params for c in candidates] == [DEFAULT, A, configs[2]]
+    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0]
+    # Where the sim tells them apart, each is its own candidate.
+    trials[0].user_attrs["observed_ttft_p95"] += 1e-3
+    candidates, notes = live_candidates(trials, 2, DEFAULT)
+    assert [c.params for c in candidates] == [DEFAULT, configs[0], A] and notes == []

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -313,6 +314,8 @@ def speed_drift(runs: list[ProbeRun]) -> dict | None:
     if len(runs) < 2 or runs[0].probe != runs[-1].probe or ITL not in runs[0].probe.measures:
         return None
     first, last = runs[0].measured(ITL), runs[-1].measured(ITL)
+    if not (math.isfinite(first) and math.isfinite(last) and first > 0):  # a probe without a timing
+        return None
     return {"probe": runs[0].probe.label, "first_s": first, "last_s": last, "change": last / first - 1.0}
 
 

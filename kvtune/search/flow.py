@@ -23,11 +23,10 @@ from .results import ReportData, load_report_data
 from .slo import diagnosis_thresholds
 from .space import SearchSpace
 from .stage2 import (
-    DEFAULT_NUMBER,
-    LiveConfig,
     LiveOutcome,
     LivePlan,
     default_params,
+    live_candidates,
     representable,
     run_stage2,
 )
@@ -153,12 +152,9 @@ def _check_live(req: SearchRequest, live, config: EngineConfig, sim_base: Engine
 
 
 def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live) -> None:
-    candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
-                  for t in ranked[:req.top_k]]
-    if all(c.label != "default" for c in candidates):
-        dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
-        candidates.append(LiveConfig("default", dnum, dflt))
-    candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
+    candidates, notes = live_candidates(ranked, req.top_k, dflt)
+    for note in notes:
+        say(f"note: {note}")
     live_workload = head(req.workload, req.live_head) if req.live_head else req.workload
     plan = req.plan
     say(f"stage 2: {len(candidates)} configs on the {req.live_kind} target, {plan.repeats}-{plan.max_repeats} "

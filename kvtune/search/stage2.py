@@ -66,6 +66,40 @@ class LiveOutcome:
     measurement: Measurement | None = None
 
 
+def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConfig], list[str]]:
+    """The live stage's configs: the top `top_k` of stage 1's ranking (completed trials, best first)
+    that the simulator ran differently, and the default. Trials whose simulated runs are the same
+    to the last bit ran the same schedule (a max_num_seqs that never bound): running more than one
+    of them live spends the budget on one result, so the one with the fewest changes from the
+    default stands for them. Notes say which were left out."""
+    groups: dict[tuple, list] = {}
+    for trial in ranked:
+        groups.setdefault(_sim_signature(trial), []).append(trial)
+    picked, notes = [], []
+    for twins in list(groups.values())[:top_k]:
+        pick = min(twins, key=lambda t: sum(t.params.get(k) != v for k, v in dflt.items()))  # stable: best rank
+        picked.append(pick)
+        others = [t for t in twins if t is not pick]
+        if others:
+            notes.append(f"trial {pick.number} stands for {', '.join(f'trial {t.number}' for t in others)} in "
+                         "stage 2: the simulator ran them identically (what they differ in never changed its "
+                         "schedule), and it changes the fewest flags")
+    candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
+                  for t in picked]
+    if all(c.label != "default" for c in candidates):
+        dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
+        candidates.append(LiveConfig("default", dnum, dflt))
+    candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
+    return candidates, notes
+
+
+def _sim_signature(trial) -> tuple:
+    """What a stage-1 trial measured: its values and every figure its score stored."""
+    figures = sorted((k, v) for k, v in trial.user_attrs.items()
+                     if k not in ("run_id", "started") and isinstance(v, (int, float)))
+    return tuple(trial.values or ()), tuple(figures)
+
+
 def default_params(space: SearchSpace, default: EngineConfig) -> dict:
     """The target's default config, in the space's knobs."""
     return {name: getattr(default, name) for name in space.names}
