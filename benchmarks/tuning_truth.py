@@ -71,8 +71,8 @@ smallest blocks, so that its probes time the batches the grid's configs run.
 
 --quick took 7-9 minutes on the engine on a shared 2-core host (36 grid runs of
 about 10 s each, a server start included, then about 90 s of search); a vLLM
-CPU run takes about 75 s (its start and warm-up), so there --quick with
---seqs 8,128 (8 configs, 24 runs) takes about 40 minutes.
+CPU run takes 40-75 s (its start and warm-up), so there --quick with
+--seqs 8,128 (8 configs, 24 runs) takes 25-30 minutes with its calibration.
 
     python benchmarks/tuning_truth.py [--quick] [--server engine|vllm] [--repeats 3] [--json]
 """
