@@ -1,22 +1,18 @@
 """benchmarks/engine_vs_vllm.py without servers: the gating's block arithmetic, its lock-step test,
 the /metrics parser and the greedy agreement."""
-import importlib.util
 from pathlib import Path
 
 import httpx
 import pytest
+from benchscript import load_benchmark
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("engine_vs_vllm", REPO / "benchmarks" / "engine_vs_vllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("engine_vs_vllm")
 
 
 @pytest.mark.parametrize("name", ["tight", "shared"])

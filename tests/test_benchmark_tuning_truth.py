@@ -1,23 +1,17 @@
 """benchmarks/tuning_truth.py without servers: the concordance over the pairs the grid separates,
 and a saved grid read back only for the inputs it was measured on."""
 import argparse
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from benchscript import load_benchmark
 
 from kvtune.search.ranking import Interval
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("tuning_truth", REPO / "benchmarks" / "tuning_truth.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("tuning_truth")
 
 
 def test_only_pairs_the_grid_separates_count(bench):

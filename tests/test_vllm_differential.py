@@ -2,28 +2,22 @@
 (benchmarks/vllm_differential.py). The traces in data/vllm_differential/ are shrunk
 divergences with vLLM's recorded decisions: they replay without vLLM. The slow test
 runs random traces against the real vLLM scheduler in .venv-vllm."""
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from benchscript import load_benchmark
 
 from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.core.request import Request
 
-REPO = Path(__file__).resolve().parent.parent
 RECORDED = sorted((Path(__file__).resolve().parent / "data" / "vllm_differential").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
 def diff():
-    spec = importlib.util.spec_from_file_location("vllm_differential", REPO / "benchmarks" / "vllm_differential.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("vllm_differential")
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=[p.stem for p in RECORDED])
