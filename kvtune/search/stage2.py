@@ -21,6 +21,7 @@ from .space import SearchSpace
 from .validity import measured_on, run_doubts
 
 DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
+NAMED_TWINS = 4  # a note names this many of the trials a live candidate stands for
 LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
 
 
@@ -81,7 +82,9 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
         picked.append(pick)
         others = [t for t in twins if t is not pick]
         if others:
-            notes.append(f"trial {pick.number} stands for {', '.join(f'trial {t.number}' for t in others)} in "
+            named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
+            more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
+            notes.append(f"trial {pick.number} stands for {named}{more} in "
                          "stage 2: the simulator ran them identically (what they differ in never changed its "
                          "schedule), and it changes the fewest flags")
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
