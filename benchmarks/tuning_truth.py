@@ -122,6 +122,8 @@ MAX_MODEL_LEN = 512
 # config the same. 8 pools in 32-token blocks hold the probes' largest batch (64).
 CALIBRATION_POOLS = 8
 GRID_INPUTS = ("server", "repeats", "requests", "rate", "input_len", "output_len", "pool_bytes", "slo", "grid")
+
+
 class Stop(Exception):
     """SIGTERM/SIGHUP: unwind through the finally blocks that stop the servers."""
 
@@ -275,13 +277,22 @@ def save_grid(path: Path, grid: dict, grid_s: float, args) -> None:
 
 
 def load_grid(path: str, args) -> tuple[dict, float]:
-    data = json.loads(Path(path).read_text())
+    """The grid save_grid wrote to `path`; SystemExit with the reason where it cannot be read, is not
+    one, or was measured on other inputs than `args`."""
+    try:
+        data = json.loads(Path(path).read_text())
+        saved = {k: (tuple(tuple(x) for x in v) if k == "grid" else v) for k, v in data["inputs"].items()}
+        cells = {key(c["params"]): c for c in data["cells"]}
+        grid_s = float(data["grid_s"])
+    except OSError as err:
+        raise SystemExit(f"error: --grid {path}: cannot read it ({err.strerror})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"error: --grid {path} is not a grid.json that tuning_truth saved ({err!r})") from None
     inputs = {k: getattr(args, k) for k in GRID_INPUTS}
-    saved = {k: (tuple(tuple(x) for x in v) if k == "grid" else v) for k, v in data["inputs"].items()}
     differ = [f"{k} {saved.get(k)!r} (saved) vs {inputs[k]!r}" for k in GRID_INPUTS if saved.get(k) != inputs[k]]
     if differ:
         raise SystemExit(f"error: --grid {path} was measured on other inputs: {'; '.join(differ)}")
-    return {key(c["params"]): c for c in data["cells"]}, data["grid_s"]
+    return cells, grid_s
 
 
 def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, grid_runs: int) -> tuple[dict | None, str]:
@@ -385,6 +396,7 @@ def main(argv=None) -> int:
     args.grid = (tuple(map(int, args.blocks.split(","))) if args.blocks else blocks,
                  tuple(map(int, args.seqs.split(","))) if args.seqs else seqs,
                  tuple(args.dtypes.split(",")) if args.dtypes else dtypes)
+    saved = load_grid(args.grid_file, args) if args.grid_file else None  # before a work dir or a calibration
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _on_signal)
     objective = Objective("goodput", tuple(parse_slo(s) for s in args.slo))
@@ -423,8 +435,8 @@ def main(argv=None) -> int:
           f"SLOs {', '.join(args.slo)}; grid {len(configs)} configs x {args.repeats} runs, interleaved, "
           f"a server start per run; default {label(dict(zip(KNOBS, dkey)))}; work dir {workdir}", flush=True)
 
-    if args.grid_file:
-        grid, grid_s = load_grid(args.grid_file, args)
+    if saved is not None:
+        grid, grid_s = saved
         log(f"the grid measured earlier: {args.grid_file}")
     else:
         t_grid = time.perf_counter()

@@ -48,3 +48,14 @@ def test_a_saved_grid_is_read_back_for_its_own_inputs_only(bench, tmp_path):
         bench.load_grid(str(path), _args(rate=16.0, pool_bytes=1 << 20))
     assert "rate 32.0 (saved) vs 16.0" in str(err.value) and "pool_bytes" in str(err.value)
     assert json.loads(path.read_text())["inputs"]["grid"] == [[32, 128], [8], ["auto", "fp8"]]
+
+
+def test_a_grid_file_that_is_missing_or_not_a_grid_is_named(bench, tmp_path):
+    with pytest.raises(SystemExit) as err:
+        bench.load_grid(str(tmp_path / "none.json"), _args())
+    assert "none.json: cannot read it" in str(err.value)
+    for text in ("not json", '{"inputs": 3}', '{"inputs": {}, "cells": [{}], "grid_s": 1}'):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(SystemExit) as err:
+            bench.load_grid(str(tmp_path / "bad.json"), _args())
+        assert "is not a grid.json that tuning_truth saved" in str(err.value)
