@@ -70,6 +70,7 @@ PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
 # server that falls behind (vLLM's frontend on a busy CPU) writes what it held in one burst,
 # whose lines the client reads 20-100 us apart; no engine step is that short.
 BURST_S = 0.5e-3
+POOL_SHARE = 0.8  # of the KV pool a probe may hold at once: a margin so that no probe is preempted
 
 
 class CalibrationError(RuntimeError):
@@ -222,9 +223,10 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
         batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
     # Three trials each (their median): a decode probe lasts a fraction of a second, and one
     # hiccup of a shared machine in it moved a whole batch size's ITL by 20%.
-    room = pool_tokens if pool_tokens else max_model_len * max_batch
+    pool = pool_tokens if pool_tokens else max_model_len * max_batch
+    room = POOL_SHARE * pool
     notes: list[str] = []
-    batches = _held_batches(batches, Probe("decode", "", decode_len, decode_tokens, (ITL,)), room, block_size,
+    batches = _held_batches(batches, Probe("decode", "", decode_len, decode_tokens, (ITL,)), pool, block_size,
                             notes)
     for b in batches:
         probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b,
@@ -237,7 +239,7 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     for length in contexts:
         for b in (1, 4, 16):
             context = Probe("context", "", length, decode_tokens, (ITL,), batch=b)
-            if b <= max_batch and context.kv_tokens(block_size) <= 0.8 * room:
+            if b <= max_batch and context.kv_tokens(block_size) <= room:
                 prefill_steps = -(-b * length // batch_tokens)
                 probes.append(Probe("context", f"context B={b} L={length}", length,
                                     decode_tokens + prefill_steps, (ITL,), batch=b))
@@ -267,7 +269,7 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     probes.append(drift_check)
     plan, loaded = [], []
     for probe in probes:
-        probe = _fit_pool(probe, 0.8 * room, block_size)
+        probe = _fit_pool(probe, room, block_size)
         if probe is None or probe in loaded:  # a halved background may repeat another probe
             continue
         if probe.background:
@@ -277,11 +279,11 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
 
 
 def _held_batches(batches: list[int], one: Probe, pool_tokens: int, block_size: int, notes: list[str]) -> list[int]:
-    """The decode batches whose requests (each like `one`) 80% of the pool holds at once; where it holds
+    """The decode batches whose requests (each like `one`) POOL_SHARE of the pool holds at once; where it holds
     fewer than the largest, the largest it holds takes their place, and `notes` says so: the fit
     then never sees a step of more sequences, and a search running more extrapolates."""
     per_request = one.kv_tokens(block_size)
-    most = max(1, int(0.8 * pool_tokens // per_request))
+    most = max(1, int(POOL_SHARE * pool_tokens // per_request))
     held = [b for b in batches if b <= most]
     if len(held) == len(batches):
         return batches
