@@ -234,6 +234,9 @@ def calibrate(args, db: str, log_dir: Path) -> str | None:
            "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(min(args.grid[0])),
            "--kv-cache-memory-bytes", str(CALIBRATION_POOLS * args.pool_bytes),
            "--server-log-dir", str(log_dir)] + (["--quick"] if args.quick else [])
+    quantized = [d for d in args.grid[2] if d != "auto"]
+    if quantized:  # the grid's quantized cache costs what the probes of the default's cannot show
+        cmd += ["--quantized-kv", quantized[0]]
     if args.server == "vllm":
         cmd += ["--model", args.ckpt, "--vllm-platform", "cpu", "--preset", "tiny", "--device", "cpu"]
     log("calibrate: " + " ".join(cmd))

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 from kvengine.engine.clock import VirtualClock
-from kvengine.config import EngineConfig, device_preset, model_preset
+from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 from kvengine.executor.cost import StepShape, CostCoefficients, torch_attention_kernel
 from kvengine.engine.llm_engine import LLMEngine
 from kvengine.core.request import SamplingParams
@@ -23,6 +23,7 @@ from kvtune.calibrate import (
     ProfileNotFoundError,
     design_probes,
     fit_coefficients,
+    fit_dequant,
     format_profile,
     get_profile,
     list_profiles,
@@ -158,6 +159,36 @@ def test_fit_recovers_coefficients_from_exact_timings(per_prefill_s, busy_arriva
     assert result.initial["all"]["rms"] > 0.2  # the roofline's defaults are far off these timings
     # A GPU's decodes are bound by their K/V reads: no second attention share is made up.
     assert result.coefficients.decode_attention_efficiency is None
+
+
+# A CPU's quantized cache, as kvengine's torch executor reads it: its own kernels each step, and
+# each element of the padded batch converted (llama-3-8b: 65,536 K/V elements per token).
+QUANTIZED = {"quantized_step_overhead_s": 4e-3, "kv_dequant_per_element_s": 3e-12}
+
+
+def test_dequant_fit_recovers_a_quantized_caches_terms_from_exact_timings():
+    """The main fit's coefficients, held, plus the two terms a quantized cache adds, from the
+    decode and long-context probes of an fp8 server stepping exactly by them."""
+    known = dataclasses.replace(KNOWN, **QUANTIZED)
+    model, device = model_preset(MODEL), device_preset(DEVICE)
+    config = EngineConfig(max_model_len=4096, kv_cache_dtype="fp8").resolve(model, device)
+    plan = design_probes(4096, max_batch=64, batch_tokens=config.max_num_batched_tokens, quick=True)
+    plan.probes = [p for p in plan.probes if p.kind in ("decode", "context")]
+    runs = virtual_runs(plan, known, 2e-3, 5e-3, config)
+    shapes, observations = step_shapes(runs, model, device, config)
+    fit = fit_dequant(shapes, observations, model, device, "fp8", config.block_size, KNOWN, 2e-3, 5e-3)
+    for name, value in QUANTIZED.items():
+        assert getattr(fit.coefficients, name) == pytest.approx(value, rel=0.01), name
+    assert close(fit.coefficients, KNOWN, 1e-12) == {}  # the rest as the main fit left them
+    assert fit.residuals()["all"]["max"] < 0.01
+    assert fit.without["all"]["rms"] > 0.1  # without the terms, the fp8 server is far slower than priced
+    # An fp8 server that reads as fast as its bytes say gets no terms, not negative ones.
+    runs = virtual_runs(plan, KNOWN, 2e-3, 5e-3, config)
+    shapes, observations = step_shapes(runs, model, device, config)
+    fit = fit_dequant(shapes, observations, model, device, "fp8", config.block_size, KNOWN, 2e-3, 5e-3)
+    assert fit.coefficients.quantized_step_overhead_s == 0 and fit.coefficients.kv_dequant_per_element_s == 0
+    with pytest.raises(CalibrationError, match="quantized KV cache"):
+        fit_dequant(shapes, observations, model, device, "auto", config.block_size, KNOWN, 2e-3, 5e-3)
 
 
 def test_fit_prices_each_attention_kernel_apart_where_it_shows():
@@ -346,6 +377,43 @@ def test_calibration_recovers_known_coefficients_from_a_live_sim_server(tmp_path
 
 
 @pytest.mark.slow
+def test_calibration_times_a_quantized_cache_on_a_second_server_start(tmp_path, capsys):
+    """--quantized-kv fp8: the engine target started again with --kv-cache-dtype fp8, whose
+    steps cost QUANTIZED's terms more; the profile holds them, and the sim prices fp8 with them."""
+    path = tmp_path / "coeffs.json"
+    path.write_text(json.dumps(dataclasses.replace(KNOWN, **QUANTIZED).to_dict()))
+    db = f"sqlite:///{tmp_path}/kvtune.db"
+    rc = calibrate_cli("--target", "engine", "--executor", "sim", "--cost-profile", str(path), "--preset", MODEL,
+                       "--device", DEVICE, "--name", "fp8", "--quick", "--max-batch", "16", "--max-model-len", "2048",
+                       "--quantized-kv", "fp8",
+                       "--db", db)
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    profile = get_profile(db, "fp8")
+    # The terms hold to the noise of real time on a shared host (the main fit's small terms: 25 %).
+    assert profile.coefficients.quantized_step_overhead_s == pytest.approx(4e-3, rel=0.35), profile.describe()
+    assert profile.coefficients.kv_dequant_per_element_s == pytest.approx(3e-12, rel=0.2), profile.describe()
+    assert {"decode fp8", "context fp8"} <= set(profile.residuals)
+    dequant = profile.fit["dequant"]
+    assert dequant["kv_cache_dtype"] == "fp8" and dequant["rms"] < 0.1 < dequant["rms_without"]
+    assert "--kv-cache-dtype fp8" in out.err and "fp8 probes (a second server start)" in out.out
+    # The sim now prices an fp8 decode dearer than the same one in auto (the terms apply to fp8 only).
+    sim = SimTarget(*profile.specs(), profile.coefficients)
+    workload = synthesize(SynthSpec(num_requests=8, rate=100.0, input_len=parse_dist("2048"),
+                                    output_len=parse_dist("16"), seed=1))
+    auto, fp8 = (sim.run(EngineConfig(kv_cache_dtype=d), workload).summary["tpot_p50"] for d in ("auto", "fp8"))
+    assert fp8 > auto + 3e-3
+
+
+def test_quantized_kv_needs_a_server_kvtune_starts(capsys):
+    with pytest.raises(ConfigError, match="--quantized-kv fp8 needs a server kvtune starts .*cannot restart "
+                                          "http://127.0.0.1:9"):
+        calibrate_cli("--target", "http://127.0.0.1:9", "--quantized-kv", "fp8", "--no-save")
+    with pytest.raises(ConfigError, match=r"leave --kv-cache-dtype \(int8\) at auto"):
+        calibrate_cli("--quantized-kv", "fp8", "--kv-cache-dtype", "int8", "--no-save")
+
+
+@pytest.mark.slow
 def test_a_server_dying_mid_probe_fails_clearly_and_saves_nothing(tmp_path, capsys):
     db = f"sqlite:///{tmp_path}/kvtune.db"
     server = sim_server(tmp_path, KNOWN, "--max-model-len", "2048")
@@ -494,6 +562,16 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
     p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
                         "--db", db], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "nope" in p.stderr and "slow-a10" in p.stderr
+    # A search trying fp8 with a profile that never timed a quantized cache says so; one that did, not.
+    save_profile(db, CalibrationProfile(name="timed-fp8", model="llama-3-8b", device="a10-24gb", coefficients=slow,
+                                        fit={"dequant": {"kv_cache_dtype": "fp8"}}))
+    for name, noted in (("slow-a10", True), ("timed-fp8", False)):
+        p = subprocess.run([sys.executable, "-m", "kvtune", "search", "--workload", str(trace), "--profile", name,
+                            "--db", db, "--target", "none", "--trials", "2", "--no-report",
+                            "--space", "kv_cache_dtype=auto,fp8"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert ("did not time a quantized KV cache, so stage 1 prices fp8 at its bytes alone" in p.stdout) == noted
+        assert ("--quantized-kv fp8" in p.stdout) == noted
 
 
 def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):

@@ -6,7 +6,8 @@ import pytest
 
 from kvengine.engine.clock import VirtualClock
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.executor.cost import STEP_SHAPE_FIELDS, CostCoefficients, StepCost, StepShape, kernel_pairs, torch_attention_kernel
+from kvengine.executor.cost import (STEP_SHAPE_FIELDS, CostCoefficients, StepCost, StepShape, kernel_pairs, step_shape,
+                                   torch_attention_kernel)
 from kvengine.engine.llm_engine import LLMEngine
 from kvengine.core.request import PromptTooLongError, SamplingParams
 from kvengine.metrics.stats import request_timings
@@ -221,8 +222,9 @@ def test_an_arrival_costs_a_busy_step_its_frontend_overhead_and_an_idle_one_noth
 
 @pytest.mark.parametrize("coeffs", [CostCoefficients(), CostCoefficients(memory_efficiency=1e6),
                                     CostCoefficients(**torch_attention_kernel("cpu"), per_prefill_overhead_s=1e-3,
-                                                     busy_arrival_overhead_s=2e-3)])
-def test_step_times_of_many_shapes_are_step_time_of_each(coeffs):
+                                                     busy_arrival_overhead_s=2e-3, kv_dequant_per_element_s=1e-9)])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_step_times_of_many_shapes_are_step_time_of_each(coeffs, kv_dtype):
     """The calibration fit's array pricing and the simulator's per-step pricing are one formula."""
     import numpy as np
     rng = np.random.default_rng(0)
@@ -231,9 +233,29 @@ def test_step_times_of_many_shapes_are_step_time_of_each(coeffs):
     seqs = rng.integers(1, 256, 500)
     shapes = np.stack([tokens, seqs, rng.integers(0, 10**6, 500), rng.integers(0, 10**8, 500), seqs,
                        rng.integers(0, 8, 500), rng.integers(0, 8, 500), rng.integers(0, 10**6, 500),
-                       rng.integers(0, 10**6, 500)], axis=1)
+                       rng.integers(0, 10**6, 500), rng.integers(0, 10**6, 500)], axis=1)
     assert shapes.shape[1] == len(STEP_SHAPE_FIELDS)
-    cost = StepCost.build(model_preset("tiny"), DEVICE, "auto", 16, coeffs)
+    cost = StepCost.build(model_preset("tiny"), DEVICE, kv_dtype, 16, coeffs)
     scalar = [cost.step_time(StepShape(*(int(v) for v in row))) for row in shapes]
     assert cost.step_times(shapes.astype(float)) == pytest.approx(scalar, rel=1e-12, abs=0)
     assert not cost.step_times(shapes[:10]).any()
+
+
+def test_a_quantized_cache_prices_its_gathered_tokens_and_steps_where_auto_does_not():
+    """step_shape counts what a gathering path reads: decodes padded to the longest one's blocks,
+    each prefill chunk's context in whole blocks; only a quantized dtype pays for it."""
+    e = LLMEngine(EngineConfig(block_size=16, max_num_batched_tokens=4096), MODEL, DEVICE, clock=VirtualClock())
+    for i, n in enumerate((10, 40)):
+        e.add_request(str(i), list(range(1, n + 1)), SamplingParams(max_tokens=4, ignore_eos=True))
+    e.step()  # both prefills
+    e.add_request("late", list(range(100, 120)), SamplingParams(max_tokens=1, ignore_eos=True))
+    out = e.scheduler.schedule()
+    shape = step_shape(out, [1] * len(out.scheduled), block_size=16)
+    assert sorted(out.num_new_tokens) == [1, 1, 20]
+    assert shape.gathered_tokens == 2 * 48 + 32  # decodes at 11 and 41 tokens: 2 x 3 blocks; the chunk: 2
+    coeffs = CostCoefficients(quantized_step_overhead_s=1e-3, kv_dequant_per_element_s=1e-12)
+    auto, fp8 = (StepCost.build(MODEL, DEVICE, d, 16, coeffs) for d in ("auto", "fp8"))
+    plain = StepCost.build(MODEL, DEVICE, "fp8", 16)
+    elements = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim
+    assert auto.kv_dequant_s_per_token == auto.quantized_step_overhead_s == 0
+    assert fp8.step_time(shape) - plain.step_time(shape) == pytest.approx(1e-3 + 128 * elements * 1e-12)

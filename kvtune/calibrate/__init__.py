@@ -9,8 +9,8 @@
 from ..lazy import exports_of, lazy_face
 
 EXPORTS = exports_of({
-    ".session": ("calibrate_target", "calibrate_url", "format_profile"),
-    ".fit": ("FitResult", "Observation", "fit_coefficients", "step_shapes"),
+    ".session": ("calibrate_quantized", "calibrate_target", "calibrate_url", "format_profile"),
+    ".fit": ("FitResult", "Observation", "fit_coefficients", "fit_dequant", "step_shapes"),
     ".probes": ("CalibrationError", "Probe", "ProbeOptions", "ProbePlan", "ProbeRun", "ServerInfo",
                 "design_probes", "run_probes", "server_info", "speed_drift"),
     ".profile": ("CalibrationProfile", "ProfileNotFoundError", "get_profile", "list_profiles",

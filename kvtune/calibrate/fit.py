@@ -24,13 +24,19 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.engine.clock import VirtualClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.executor.cost import TIED_TO, CostCoefficients, StepCost
-from kvengine.engine.llm_engine import LLMEngine
-from kvengine.executor.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
-from kvengine.executor.abstract import SimExecutor
 from kvengine.core.request import SamplingParams
+from kvengine.engine.clock import VirtualClock
+from kvengine.engine.llm_engine import LLMEngine
+from kvengine.executor.abstract import SimExecutor
+from kvengine.executor.cost import (
+    SHAPE_FIELDS,
+    STEP_SHAPE_FIELDS,
+    TIED_TO,
+    CostCoefficients,
+    StepCost,
+    StepShape,
+)
 
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
@@ -373,7 +379,9 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     attention share (decode_attention_efficiency: a paged decode kernel beside a
     flash-attention prefill) and that of chunks after earlier context
     (context_attention_efficiency: gathered context and an explicit mask)."""
-    from scipy.optimize import least_squares  # here: only calibration pays scipy's import
+    from scipy.optimize import (
+        least_squares,  # here: only calibration pays scipy's import
+    )
 
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
@@ -480,6 +488,62 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     initial = residual_summary(obs, predict(obs, roofline, 0.0))
     return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
                      initial, costs, dropped)
+
+
+DEQUANT = ("quantized_step_overhead_s", "kv_dequant_per_element_s")  # the terms a quantized cache adds
+DEQUANT_MAX = {"quantized_step_overhead_s": 1.0, "kv_dequant_per_element_s": 1e-6}  # s; s per element
+
+
+@dataclass
+class DequantFit:
+    """The dequantization terms fitted to probes of a server running a quantized KV cache, the
+    rest of the cost model held at the main fit's values."""
+
+    coefficients: CostCoefficients  # the main fit's, with DEQUANT set
+    observations: list[Observation]  # predicted with the terms
+    without: dict  # residual_summary of the same timings with the terms at 0
+    dropped: list[Observation] = field(default_factory=list)
+
+    def residuals(self) -> dict:
+        return residual_summary(self.observations)
+
+
+def fit_dequant(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
+                kv_cache_dtype: str, block_size: int, coeffs: CostCoefficients, client_overhead_s: float,
+                client_overhead_busy_s: float, noise_floor: float = 0.01) -> DequantFit:
+    """DEQUANT's two terms by non-negative least squares of the relative errors (weighed as in
+    fit_coefficients): a prediction is linear in both (a step adds the one, and the other per
+    token it gathers), so the fit is one linear solve, each value then capped at DEQUANT_MAX
+    (a cache that reads faster than its bytes say is none of these terms: they stay >= 0)."""
+    from scipy.optimize import nnls
+
+    if kv_cache_dtype == "auto":
+        raise CalibrationError("the dequantization terms need probes of a server with a quantized KV cache")
+    obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
+    dropped = [o for o in observations if not (o.measured_s > 0 and math.isfinite(o.measured_s))]
+    if len(obs) < len(DEQUANT) + 1:
+        raise CalibrationError(f"{len(obs)} usable timings of the {kv_cache_dtype} probes: too few to fit "
+                               f"{len(DEQUANT)} terms")
+    zero = dataclasses.replace(coeffs, **dict.fromkeys(DEQUANT, 0.0))
+    base = predict(obs, step_times(shapes, model, device, kv_cache_dtype, block_size, zero),
+                   client_overhead_s, client_overhead_busy_s)
+    per_token = StepCost.build(model, device, kv_cache_dtype, block_size,
+                               dataclasses.replace(zero, kv_dequant_per_element_s=1.0)).kv_dequant_s_per_token
+    gathered = shapes[:, STEP_SHAPE_FIELDS.index("gathered_tokens")] * per_token
+    # Seconds each observation gains per unit of each term: its weighted count of steps, of elements.
+    slopes = np.stack([predict(obs, np.ones(len(shapes)), 0.0, 0.0), predict(obs, gathered, 0.0, 0.0)], axis=1)
+    measured = np.array([o.measured_s for o in obs])
+    scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
+    a = slopes / (measured * scale)[:, None]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    values, _ = nnls(a / norms, (1.0 - base / measured) / scale)
+    values = np.minimum(values / norms, [DEQUANT_MAX[name] for name in DEQUANT])
+    without = residual_summary(obs, base)
+    for o, p in zip(obs, base + slopes @ values):
+        o.predicted_s = float(p)
+    fitted = dataclasses.replace(coeffs, **{name: float(v) for name, v in zip(DEQUANT, values)})
+    return DequantFit(fitted, obs, without, dropped)
 
 
 def _cost(sol, part: np.ndarray, loss: str) -> float:

@@ -60,6 +60,14 @@ class CalibrationProfile:
         model, device = self.specs()
         return SimTarget(model, device, self.coefficients, self.client_overhead_s, self.client_overhead_busy_s)
 
+    def untimed_kv_dtypes(self, kv_cache_dtypes) -> list[str]:
+        """The quantized KV cache dtypes among `kv_cache_dtypes` where the profile timed none (one
+        timed, fp8 say, prices them all: they read through the same path): the sim prices them at
+        their bytes alone, which a CPU's software dequantization far exceeds."""
+        if self.fit.get("dequant"):
+            return []
+        return [d for d in kv_cache_dtypes if d != "auto"]
+
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
         data["coefficients"] = self.coefficients.to_dict()

@@ -18,11 +18,14 @@ from .fit import (
     bound_side,
     degenerate_reasons,
     fit_coefficients,
+    fit_dequant,
     step_shapes,
     unseen,
 )
 from .probes import (
+    CalibrationError,
     ProbeOptions,
+    ProbePlan,
     ServerInfo,
     design_probes,
     run_probes,
@@ -35,15 +38,103 @@ DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a 
 
 
 def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
-                     cost_profile: str | None = None, **kwargs) -> CalibrationProfile:
-    """Start the target's server with `config` (as a trial would), calibrate against it, stop it."""
+                     cost_profile: str | None = None, quantized_kv: str | None = None,
+                     **kwargs) -> CalibrationProfile:
+    """Start the target's server with `config` (as a trial would), calibrate against it, stop it.
+    `quantized_kv` (fp8, int8, ...): then start it again with that KV cache dtype, and fit the
+    dequantization its reads add (`calibrate_quantized`)."""
+    with _started(server_target, config, cost_profile) as server:
+        profile = calibrate_url(server.url, preset, device, config, name, target=server_target.name,
+                                executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
+                                **kwargs)
+    if quantized_kv and quantized_kv != "auto":
+        profile = calibrate_quantized(server_target, config, profile, quantized_kv, cost_profile, **kwargs)
+    return profile
+
+
+def _started(server_target, config: EngineConfig, cost_profile: str | None):
     server = server_target.server(config)
     if cost_profile:
         server.command += ["--cost-profile", cost_profile]
-    with server:
-        return calibrate_url(server.url, preset, device, config, name, target=server_target.name,
-                             executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
-                             **kwargs)
+    return server
+
+
+def calibrate_quantized(server_target, config: EngineConfig, profile: CalibrationProfile, kv_cache_dtype: str,
+                        cost_profile: str | None = None, quick: bool = False, max_batch: int = 64,
+                        max_prompt: int | None = None, options: ProbeOptions | None = None,
+                        progress=None) -> CalibrationProfile:
+    """`profile` with kv_cache_dtype's dequantization cost (kv_dequant_per_element_s), fitted to the
+    decode and long-context probes of the target's server started again with that KV cache dtype;
+    the rest of the profile's coefficients hold. A quantized cache changes what a step reads, not
+    how the server schedules, so these probes time the one term the main fit could not see."""
+    model, device_spec = profile.specs()
+    config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
+    if progress:
+        progress(f"the same server with --kv-cache-dtype {kv_cache_dtype}: its dequantization cost")
+    with _started(server_target, config, cost_profile) as server:
+        info = server_info(server.url)
+        if info.kv_cache_dtype and info.kv_cache_dtype != kv_cache_dtype:
+            raise CalibrationError(f"{server.url} reports kv_cache_dtype {info.kv_cache_dtype!r}, not the "
+                                   f"{kv_cache_dtype!r} it was started with")
+        server_config, _, runs, _ = _probe(server.url, info, config, model, device_spec, quick, max_batch, max_prompt,
+                                        options, server.check_alive, progress, kinds=("decode", "context"))
+    shapes, observations = step_shapes(runs, model, device_spec, server_config, profile.coefficients)
+    for o in observations:
+        o.kind = f"{o.kind} {kv_cache_dtype}"
+    fit = fit_dequant(shapes, observations, model, device_spec, kv_cache_dtype, server_config.block_size,
+                      profile.coefficients, profile.client_overhead_s, profile.client_overhead_busy_s)
+    residuals = fit.residuals()
+    profile = dataclasses.replace(
+        profile, coefficients=fit.coefficients,
+        residuals=profile.residuals | {k: v for k, v in residuals.items() if k != "all"},
+        observations=profile.observations + [_observation(o) for o in fit.observations],
+        fit=profile.fit | {"dequant": {"kv_cache_dtype": kv_cache_dtype, "n": residuals["all"]["n"],
+                                       "rms": residuals["all"]["rms"], "rms_without": fit.without["all"]["rms"]}})
+    reasons = [f"probe {o.label!r} ({kv_cache_dtype}): its {o.measure} has no usable timing" for o in fit.dropped]
+    reasons += [f"residual rms of the {kind} probes is {r['rms']:.1%} (n={r['n']}, worst {r['max']:.1%}), over "
+                f"the {RMS_LIMIT:.0%} limit" for kind, r in residuals.items() if r["rms"] > RMS_LIMIT]
+    if reasons:
+        raise FitRefusedError(
+            f"the {kv_cache_dtype} probes do not fit the profile's cost model with a dequantization term:\n"
+            + "".join(f"  - {r}\n" for r in reasons)
+            + "to do:\n  - calibrate when the server is quiet: nothing else on its machine, no other client\n"
+            + "the refused fit:\n" + format_profile(profile), reasons, profile)
+    return profile
+
+
+def _observation(o) -> dict:
+    return {"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
+            "predicted_s": o.predicted_s}
+
+
+def _probe(url: str, info: ServerInfo, config: EngineConfig, model: ModelSpec, device_spec, quick: bool,
+           max_batch: int, max_prompt: int | None, options: ProbeOptions | None, check_alive, progress,
+           kinds: tuple[str, ...] | None = None):
+    """Design the probes for the server at `url` (`info` what it says of itself, `config` its
+    flags) and run them (those of `kinds`, where given): its config as corrected by `info`, what
+    the plan could not cover (ProbePlan.notes), the runs, and the wall time they took."""
+    server_config = _server_config(config, info, model, device_spec)
+    pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
+    plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
+                         max_prompt=max_prompt, pool_tokens=pool,
+                         batch_tokens=server_config.max_num_batched_tokens, quick=quick,
+                         block_size=server_config.block_size)
+    if kinds is not None:
+        plan = ProbePlan([p for p in plan.probes if p.kind in kinds], plan.notes)
+    if progress:
+        for note in plan.notes:
+            progress(f"note: {note}")
+        progress(f"probing {url} ({info.model_name}, max_model_len {info.max_model_len}): {len(plan)} probes, "
+                 f"{plan.num_requests} requests")
+    t0 = time.perf_counter()
+
+    def each(i, n, run):
+        if progress:
+            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.measures)
+            progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
+
+    runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
+    return server_config, list(plan.notes), runs, time.perf_counter() - t0
 
 
 def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | None, name: str,
@@ -60,26 +151,8 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     model, device_spec = model_preset(preset), device_preset(device)
     info = server_info(url)
     model = _served_model(model, info, progress)
-    server_config = _server_config(config or EngineConfig(), info, model, device_spec)
-    pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
-    plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
-                         max_prompt=max_prompt, pool_tokens=pool,
-                         batch_tokens=server_config.max_num_batched_tokens, quick=quick,
-                         block_size=server_config.block_size)
-    if progress:
-        for note in plan.notes:
-            progress(f"note: {note}")
-        progress(f"probing {url} ({info.model_name}, max_model_len {info.max_model_len}): {len(plan)} probes, "
-                 f"{plan.num_requests} requests")
-    t0 = time.perf_counter()
-
-    def each(i, n, run):
-        if progress:
-            measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.measures)
-            progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
-
-    runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
-    probe_wall = time.perf_counter() - t0
+    server_config, notes, runs, probe_wall = _probe(url, info, config or EngineConfig(), model, device_spec,
+                                                    quick, max_batch, max_prompt, options, check_alive, progress)
     kv_dtype = server_config.kv_cache_dtype
     shapes, observations = step_shapes(runs, model, device_spec, server_config, base)
     result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
@@ -93,7 +166,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         residuals=result.residuals(), roofline_residuals=result.initial,
         observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
                        "predicted_s": o.predicted_s} for o in result.observations],
-        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {}, notes=list(plan.notes),
+        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {}, notes=notes,
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
     reasons = degenerate_reasons(result)
     if reasons:
@@ -172,9 +245,14 @@ def format_profile(profile: CalibrationProfile) -> str:
              *(f"  note: {note}" for note in profile.notes),
              "residuals (predicted/measured - 1)   calibrated: rms    max   bias    roofline: rms     max"]
     for kind, r in profile.residuals.items():
-        u = profile.roofline_residuals.get(kind, {})
+        u = profile.roofline_residuals.get(kind)
+        roofline = f"          {u['rms']:7.1%} {u['max']:7.1%}" if u else ""  # none for a quantized pass
         lines.append(f"  {kind:<10} n={r['n']:<3}                   {r['rms']:6.1%} {r['max']:6.1%} "
-                     f"{r['bias']:+6.1%}          {u.get('rms', float('nan')):7.1%} {u.get('max', float('nan')):7.1%}")
+                     f"{r['bias']:+6.1%}{roofline}")
+    dequant = profile.fit.get("dequant")
+    if dequant:
+        lines.append(f"  {dequant['kv_cache_dtype']} probes (a second server start): rms {dequant['rms']:.1%} with "
+                     f"the dequantization terms, {dequant['rms_without']:.1%} without them (n={dequant['n']})")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
+from kvengine.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, device_preset, model_preset
 from kvengine.entrypoints.flags import add_engine_flags, config_from_args, parse_size
 
 from .commands import COMMANDS
@@ -27,6 +27,7 @@ from ..calibrate.profile import save_profile
 from ..calibrate.session import calibrate_target, calibrate_url, format_profile
 
 TARGETS = ("engine", "vllm", "sglang")
+QUANTIZED_KV = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
 # Per target (and engine executor): the model and device presets when none is given.
 DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
 FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
@@ -70,6 +71,11 @@ def add_calibrate_command(sub) -> None:
                    help="limit on the whole probe run (default: %(default)s)")
     g.add_argument("--request-timeout", type=positive_float, default=120.0, metavar="S",
                    help="limit on one probe request (default: %(default)s)")
+    g.add_argument("--quantized-kv", choices=QUANTIZED_KV, metavar="DTYPE",
+                   help="then start the server again with this --kv-cache-dtype (one of "
+                        f"{', '.join(QUANTIZED_KV)}), time its decodes and long contexts, and fit what the "
+                        "quantized cache's reads cost beyond their bytes (a CPU dequantizes fp8 in software): "
+                        "calibrate with the dtype a search will try, or the sim prices it at its bytes alone")
     g.add_argument("--seed", type=int, default=None,
                    help="probe prompts' seed (default: fresh prompts each run; the same seed twice on one server "
                         "would hit the prefix cache the first run left)")
@@ -95,6 +101,12 @@ def cmd_calibrate(args) -> int:
     config = config_from_args(args)
     if args.cost_profile and not (args.target == "engine" and args.executor == "sim"):
         raise ConfigError("--cost-profile needs --target engine --executor sim")
+    if args.quantized_kv and args.target.startswith(("http://", "https://")):
+        raise ConfigError(f"--quantized-kv {args.quantized_kv} needs a server kvtune starts (--target engine, vllm "
+                          f"or sglang): it restarts it with that KV cache dtype, and cannot restart {args.target}")
+    if args.quantized_kv and config.kv_cache_dtype not in (None, "auto"):
+        raise ConfigError(f"--quantized-kv {args.quantized_kv} times a quantized cache against the server's "
+                          f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
     name = args.name or default_name(args.target, args.executor, preset, device)
     store = None if args.no_save else Store(resolve_db_url(args.db))  # a bad --db fails before any probe
     options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
@@ -106,7 +118,8 @@ def cmd_calibrate(args) -> int:
         else:
             server = _server_target(args, config, preset, device)
             profile = calibrate_target(server, config, preset, device, name, options=options,
-                                       cost_profile=args.cost_profile, progress=_progress, **plan_args)
+                                       cost_profile=args.cost_profile, quantized_kv=args.quantized_kv,
+                                       progress=_progress, **plan_args)
     except (CalibrationError, TargetStartError) as err:
         print(f"error: calibrate: {err}", file=sys.stderr)
         print("nothing saved", file=sys.stderr)

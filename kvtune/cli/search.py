@@ -115,6 +115,12 @@ def _search(args, live_targets: list) -> int:
         profile = get_profile(args.db, args.profile)
         sim = profile.sim_target()
         args.preset, args.device = profile.model, profile.device
+        dtypes = next((k.grid() for k in space.knobs if k.name == "kv_cache_dtype"), [])
+        untimed = profile.untimed_kv_dtypes(dtypes)
+        if untimed:
+            print(f"note: cost profile {profile.name!r} did not time a quantized KV cache, so stage 1 prices "
+                  f"{', '.join(untimed)} at its bytes alone; where the server dequantizes in software (a CPU) "
+                  f"that is optimistic. `kvtune calibrate --quantized-kv {untimed[0]}` times it")
     else:
         sim = SimTarget(model_preset(args.preset), device_preset(args.device))
     live = _live_target(args) if args.target != "none" else None

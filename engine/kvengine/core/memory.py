@@ -23,10 +23,14 @@ def kv_element_bytes(kv_cache_dtype: str, model: ModelSpec) -> int:
     return 1  # fp8 variants and int8 store one byte per element (scales are per block/head)
 
 
+def kv_elements_per_token(model: ModelSpec) -> int:
+    """K and V, every layer: 2 * layers * kv_heads * head_dim."""
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim
+
+
 def kv_bytes_per_token(model: ModelSpec, kv_cache_dtype: str = "auto") -> int:
-    """K and V, every layer: 2 * layers * kv_heads * head_dim * bytes."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_element_bytes(
-        kv_cache_dtype, model)
+    """K and V, every layer, at the KV dtype's bytes per element."""
+    return kv_elements_per_token(model) * kv_element_bytes(kv_cache_dtype, model)
 
 
 def kv_bytes_per_block(model: ModelSpec, kv_cache_dtype: str, block_size: int) -> int:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvengine.config import EngineConfig
-from kvengine.executor.cost import StepCost, StepShape, step_shape
 from kvengine.core.kv_manager import KVManager
 from kvengine.core.scheduler import SchedulerOutput
+from kvengine.executor.cost import StepCost, StepShape, step_shape
 
 # Pseudo tokens stay inside the id range every common tokenizer accepts and
 # never hit special tokens (so the simulator never emits EOS).
@@ -58,7 +58,8 @@ class SimExecutor:
             else:
                 seed = req.all_token_ids[0] if n else 0
                 sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
-        shape = step_shape(out, sampled, self.cost.attention_key_block, self.cost.context_chunk_all_keys)
+        shape = step_shape(out, sampled, self.cost.attention_key_block, self.cost.context_chunk_all_keys,
+                           self.cost.block_size)
         return ExecutorOutput(sampled, self.step_time(shape))
 
     def step_time(self, shape: StepShape) -> float:

@@ -8,7 +8,7 @@ hidden per sampled token (logits are computed only where a token is sampled:
 a prefill chunk's last row, each decode), plus the attention FLOPs (a decode's at
 their own share of peak where the coefficients give one). Its time is
 max(memory time, compute time) + a fixed per-step overhead + a per-sequence
-overhead. Small blocks read K/V less efficiently (more block-table lookups
+overhead (+ a quantized cache's dequantization: per step, and per K/V element gathered). Small blocks read K/V less efficiently (more block-table lookups
 and partial tiles per byte), which is how block_size enters.
 
 All coefficients live in CostCoefficients so a profile fitted to a live
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvengine.config import DeviceSpec, ModelSpec
-from kvengine.core.memory import kv_bytes_per_token
+from kvengine.core.memory import kv_bytes_per_token, kv_elements_per_token
 
 if TYPE_CHECKING:
     from kvengine.core.scheduler import SchedulerOutput
@@ -72,6 +72,15 @@ class CostCoefficients:
     # sdpa such a chunk's causal mask as an explicit mask, which turns its block skipping off
     # (vLLM's varlen kernels skip there as well).
     context_chunk_all_keys: bool = False
+    # Seconds per K/V element a step gathers from a quantized cache (fp8, int8; StepShape's
+    # gathered_tokens), on top of its bytes: the torch executor dequantizes each element in
+    # software and runs its decodes as one padded batch (its in-place CPU kernel reads only
+    # float caches); a GPU's fp8 kernels convert in registers (~0). Fitted from probes of a
+    # server running that dtype (kvtune calibrate --quantized-kv).
+    kv_dequant_per_element_s: float = 0.0
+    # Per step with a quantized cache: that path's own kernels, launched per layer whatever the
+    # batch (quantizing the new K/V, converting and scaling what is gathered, the padded softmax).
+    quantized_step_overhead_s: float = 0.0
 
     def __post_init__(self):
         """Efficiencies are shares > 0, the rest non-negative: a profile file or a
@@ -117,7 +126,7 @@ def check_ranges(c: CostCoefficients) -> None:
             continue
         low, high = bounds
         if not low <= value <= high:
-            show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
+            show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
             raise ValueError(f"{f.name} must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 
@@ -134,13 +143,16 @@ class StepShape:
     num_busy_arrivals: int = 0  # requests admitted for the first time into a step beside running ones
     decode_token_pairs: int = 0  # the part of the pairs decodes compute: each its context
     context_chunk_pairs: int = 0  # the part prefill chunks after earlier context compute
+    # K/V tokens a gathering attention path reads: every decode padded to the longest decode's
+    # blocks (one padded batch), each prefill chunk's context in whole blocks
+    gathered_tokens: int = 0
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The shape as one row of StepCost.step_times' input (np.array of a list of shapes)."""
         samples = self.num_seqs if self.num_samples is None else self.num_samples
         return np.array((self.num_tokens, self.num_seqs, self.context_tokens, self.attention_token_pairs, samples,
                          self.num_prefills, self.num_busy_arrivals, self.decode_token_pairs,
-                         self.context_chunk_pairs), dtype=dtype)
+                         self.context_chunk_pairs, self.gathered_tokens), dtype=dtype)
 
 
 # The columns of StepCost.step_times' input, in order.
@@ -175,16 +187,18 @@ def kernel_pairs(new_tokens: int, context: int, key_block: int, all_keys_after_c
 
 
 def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
-               all_keys_after_context: bool = False) -> StepShape:
+               all_keys_after_context: bool = False, block_size: int = 1) -> StepShape:
     """The shape of a scheduled step (the scheduler has advanced each request's
     num_computed_tokens to its context after the step), its prefill pairs counted as a
-    kernel taking keys `key_block` at a time does (kernel_pairs); `sampled` the executor's
-    tokens, None where a prefill chunk samples none."""
-    context = decode_pairs = prefill_pairs = chunk_pairs = prefills = 0
+    kernel taking keys `key_block` at a time does (kernel_pairs), its gathered tokens in
+    blocks of `block_size`; `sampled` the executor's tokens, None where a prefill chunk
+    samples none."""
+    context = decode_pairs = prefill_pairs = chunk_pairs = prefills = gathered = decodes = longest = 0
     for req, n in zip(out.scheduled, out.num_new_tokens):
         ctx = req.num_computed_tokens
         context += ctx
         if n > 1:
+            gathered += -(-ctx // block_size) * block_size
             prefills += 1
             pairs = kernel_pairs(n, ctx, key_block, all_keys_after_context)
             prefill_pairs += pairs
@@ -192,12 +206,14 @@ def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int =
                 chunk_pairs += pairs
         elif n == 1:
             decode_pairs += ctx  # one query attends to its whole context, in any kernel
+            decodes, longest = decodes + 1, max(longest, ctx)
+    gathered += decodes * -(-longest // block_size) * block_size
     scheduled = out.scheduled
     busy = 0
     if len(scheduled) > out.num_new_reqs:  # beside running ones; a resumed request is no arrival
         busy = sum(1 for req in scheduled[len(scheduled) - out.num_new_reqs:] if req.num_preemptions == 0)
     return StepShape(out.total_tokens, len(scheduled), context, decode_pairs + prefill_pairs,
-                     len(sampled) - sampled.count(None), prefills, busy, decode_pairs, chunk_pairs)
+                     len(sampled) - sampled.count(None), prefills, busy, decode_pairs, chunk_pairs, gathered)
 
 
 # How the torch executor's prefill attention (model.Attention._prefill: sdpa) counts its pairs,
@@ -232,12 +248,15 @@ class StepCost:
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
     busy_arrival_overhead_s: float
+    kv_dequant_s_per_token: float  # per token gathered from a quantized cache (0 for "auto")
+    quantized_step_overhead_s: float  # per step with a quantized cache (0 for "auto")
     attention_key_block: int  # these two as in CostCoefficients: step_shape counts the pairs with them
     context_chunk_all_keys: bool
+    block_size: int  # step_shape counts the gathered tokens in whole blocks
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
-              coeffs: CostCoefficients | None = None) -> "StepCost":
+              coeffs: CostCoefficients | None = None) -> StepCost:
         c = coeffs or CostCoefficients()
         kv_token = kv_bytes_per_token(model, kv_cache_dtype)
         block_eff = block_size / (block_size + c.block_overhead_tokens)
@@ -264,8 +283,12 @@ class StepCost:
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
             busy_arrival_overhead_s=c.busy_arrival_overhead_s,
+            kv_dequant_s_per_token=(c.kv_dequant_per_element_s * kv_elements_per_token(model)
+                                    if kv_cache_dtype != "auto" else 0.0),
+            quantized_step_overhead_s=c.quantized_step_overhead_s if kv_cache_dtype != "auto" else 0.0,
             attention_key_block=c.attention_key_block,
             context_chunk_all_keys=c.context_chunk_all_keys,
+            block_size=block_size,
         )
 
     def step_time(self, shape: StepShape) -> float:
@@ -275,17 +298,17 @@ class StepCost:
         samples = shape.num_seqs if shape.num_samples is None else shape.num_samples
         return self._seconds(max, shape.num_tokens, shape.num_seqs, shape.context_tokens,
                              shape.attention_token_pairs, samples, shape.num_prefills, shape.num_busy_arrivals,
-                             shape.decode_token_pairs, shape.context_chunk_pairs)
+                             shape.decode_token_pairs, shape.context_chunk_pairs, shape.gathered_tokens)
 
     def step_times(self, shapes: np.ndarray) -> np.ndarray:
-        """step_time of each row of `shapes` ([N, 9], StepShape's fields in order, all given),
+        """step_time of each row of `shapes` ([N, SHAPE_FIELDS], StepShape's fields in order, all given),
         as one array computation: a calibration fit prices every probe step thousands of times."""
         columns = np.asarray(shapes, dtype=np.float64).T
         seconds = self._seconds(np.maximum, *columns)
         return np.where(columns[0] == 0, 0.0, seconds)
 
     def _seconds(self, maximum, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
-                 num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs):
+                 num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs, gathered_tokens):
         """The roofline of one step (or of arrays of them: `maximum` is max or np.maximum)."""
         mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
                + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
@@ -294,4 +317,5 @@ class StepCost:
                       + decode_token_pairs / self.decode_attention_flops_per_s
                       + context_chunk_pairs / self.context_attention_flops_per_s) * self.attention_flops_per_pair)
         return (maximum(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
+                + gathered_tokens * self.kv_dequant_s_per_token + self.quantized_step_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)
