@@ -23,7 +23,7 @@ from kvtune.search.ranking import (
     describe,
     interval,
 )
-from kvtune.search.stage2 import LiveConfig, LivePlan, default_params, live_candidates, run_stage2
+from kvtune.search.stage2 import SIM_TIE, LiveConfig, LivePlan, default_params, live_candidates, run_stage2
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -173,7 +173,8 @@ def test_a_gain_under_two_percent_changes_no_flags_however_tight_its_runs():
 
 def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
     """Light traffic never fills 64 sequences, so 64 and 256 run the same schedule to the bit: stage 2
-    runs one of them (the one nearer the default), and its budget goes to the next distinct config."""
+    runs one of them (the one nearer the default), and its budget goes to the next distinct result.
+    Values within SIM_TIE are one result too."""
     sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"))
     objective = Objective("goodput", (SLO,))
     light = Workload([TraceRequest(i / 4.0, 200, 20) for i in range(12)])
@@ -189,10 +190,46 @@ def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
         trial = optuna.trial.create_trial(params=params, distributions=dists, values=values, user_attrs=attrs)
         trial.number = number
         trials.append(trial)
+    assert trials[0].values == trials[1].values  # the same schedule
+    assert abs(trials[2].values[0] / trials[1].values[0] - 1) < SIM_TIE  # the light trace: each serves it all
+    trials[2].values = [trials[2].values[0] * 0.95]  # as a config the sim scored lower would be
     candidates, notes = live_candidates(trials, 2, DEFAULT)
     assert [c.params for c in candidates] == [DEFAULT, A, configs[2]]
-    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0]
-    # Where the sim tells them apart, each is its own candidate.
-    trials[0].user_attrs["observed_ttft_p95"] += 1e-3
-    candidates, notes = live_candidates(trials, 2, DEFAULT)
-    assert [c.params for c in candidates] == [DEFAULT, configs[0], A] and notes == []
+    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0] and "within 1%" in notes[0]
+    # Within SIM_TIE they are still one result; beyond it, each is its own candidate.
+    value = trials[0].values[0]
+    for factor, one in ((1 - 0.9 * SIM_TIE, True), (1 - 1.1 * SIM_TIE, False)):
+        trials[0].values = [value * factor]
+        candidates, notes = live_candidates(sorted(trials, key=lambda t: -t.values[0]), 2, DEFAULT)
+        assert ([c.params for c in candidates] == [DEFAULT, A, configs[2]]) == one
+    assert [c.params for c in candidates] == [DEFAULT, A, configs[0]] and notes == []
+
+
+def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tmp_path):
+    """A leader that changes max_num_seqs and block_size, where only max_num_seqs matters: the
+    simulator runs it with each changed knob back at the default's value, and keeps the default
+    where the result holds (block_size), not where it drops (max_num_seqs)."""
+    from kvtune.search.stage2 import simpler_leaders
+    from kvtune.search.study import Stage1, open_storage, open_study, ranked_trials
+
+    db = f"sqlite:///{tmp_path}/s.db"
+    space = load_space(None, ["block_size=16,32", "max_num_seqs=8,256", "kv_cache_dtype=auto",
+                              "gpu_memory_utilization=0.9"])
+    dflt = {"block_size": 16, "max_num_seqs": 8, "kv_cache_dtype": "auto", "gpu_memory_utilization": 0.9}
+    objective = Objective("throughput", ())
+    burst = Workload([TraceRequest(0.0, 200, 50) for _ in range(64)])  # 8 at a time is a queue
+    study = open_study(open_storage(db), "simpler", objective, "tpe", 0, {})
+    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"))
+    with Store(db) as store:
+        stage1 = Stage1(study, space, EngineConfig(max_model_len=4096), objective, sim.run, burst, store, 1)
+        stage1.enqueue(dflt | {"block_size": 32, "max_num_seqs": 256})
+        stage1.optimize()
+        notes = simpler_leaders(stage1, ranked_trials(study, objective), 1, dflt)
+    ranked = ranked_trials(study, objective)
+    by_params = {(t.params["block_size"], t.params["max_num_seqs"]): t for t in ranked}
+    assert set(by_params) == {(32, 256), (16, 256), (16, 8)}  # two more trials, one per changed knob
+    assert by_params[(16, 8)].values[0] < 0.5 * by_params[(32, 256)].values[0]  # the queue: not the same
+    assert notes == [f"trial {by_params[(16, 256)].number} is trial {by_params[(32, 256)].number} without "
+                     "block_size 32 (back at the default's value): the simulator scores it the same within 1%"]
+    candidates, _ = live_candidates(ranked, 1, dflt)
+    assert [c.params for c in candidates] == [dflt, dflt | {"max_num_seqs": 256}]

@@ -27,6 +27,7 @@ from .stage2 import (
     LivePlan,
     default_params,
     live_candidates,
+    simpler_leaders,
     representable,
     run_stage2,
 )
@@ -127,6 +128,12 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     if slos and not feasible:
         say(nothing_feasible(ranked[0], slos))
     if live is not None:
+        notes = simpler_leaders(stage1, ranked, req.top_k, dflt)
+        for note in notes:
+            say(f"note: {note}")
+        if notes:
+            ranked = ranked_trials(study, req.objective)
+            feasible = [t for t in ranked if is_feasible(t)]
         _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live)
     return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, sim, store, stage1, say))
 

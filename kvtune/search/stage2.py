@@ -18,6 +18,7 @@ from .objective import Objective
 from .ranking import BETTER, FAILED, INCONCLUSIVE, INFEASIBLE, SUMMARY_MEANS, Measurement, choose, combine
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
+from .study import is_feasible
 from .validity import measured_on, run_doubts
 
 DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
@@ -67,26 +68,42 @@ class LiveOutcome:
     measurement: Measurement | None = None
 
 
+# Stage-1 values this close (relative) are one result: the simulator's precision is coarser (a
+# calibrated fit's residuals are 5-15 %), and the live spreads we measured are wider still.
+SIM_TIE = 0.01
+
+
+def same_result(a, b) -> bool:
+    """Two completed stage-1 trials the simulator cannot tell apart: both feasible or both not, and
+    their (first) values within SIM_TIE of each other (bit-identical runs, a knob that never bound,
+    are the plainest case; a workload all of whose requests both serve is another)."""
+    va, vb = a.values[0], b.values[0]
+    return is_feasible(a) == is_feasible(b) and abs(va - vb) <= SIM_TIE * max(abs(va), abs(vb))
+
+
 def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConfig], list[str]]:
-    """The live stage's configs: the top `top_k` of stage 1's ranking (completed trials, best first)
-    that the simulator ran differently, and the default. Trials whose simulated runs are the same
-    to the last bit ran the same schedule (a max_num_seqs that never bound): running more than one
-    of them live spends the budget on one result, so the one with the fewest changes from the
-    default stands for them. Notes say which were left out."""
-    groups: dict[tuple, list] = {}
+    """The live stage's configs: one for each of the top `top_k` results of stage 1's ranking
+    (completed trials, best first; trials of one result, `same_result`, are one), and the default.
+    Running two of one result live spends the budget on one answer, so the trial with the fewest
+    changes from the default stands for its result. Notes say which were left out."""
+    groups: list[list] = []
     for trial in ranked:
-        groups.setdefault(_sim_signature(trial), []).append(trial)
+        group = next((g for g in groups if same_result(g[0], trial)), None)
+        if group is None:
+            groups.append([trial])
+        else:
+            group.append(trial)
     picked, notes = [], []
-    for twins in list(groups.values())[:top_k]:
-        pick = min(twins, key=lambda t: sum(t.params.get(k) != v for k, v in dflt.items()))  # stable: best rank
+    for twins in groups[:top_k]:
+        pick = min(twins, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
         picked.append(pick)
         others = [t for t in twins if t is not pick]
         if others:
             named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
             more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
-            notes.append(f"trial {pick.number} stands for {named}{more} in "
-                         "stage 2: the simulator ran them identically (what they differ in never changed its "
-                         "schedule), and it changes the fewest flags")
+            notes.append(f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them "
+                         f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
+                         "the fewest flags")
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in picked]
     if all(c.label != "default" for c in candidates):
@@ -96,11 +113,36 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     return candidates, notes
 
 
-def _sim_signature(trial) -> tuple:
-    """What a stage-1 trial measured: its values and every figure its score stored."""
-    figures = sorted((k, v) for k, v in trial.user_attrs.items()
-                     if k not in ("run_id", "started") and isinstance(v, (int, float)))
-    return tuple(trial.values or ()), tuple(figures)
+def changes(params: dict, dflt: dict) -> int:
+    """How many flags `params` changes from the default's."""
+    return sum(params.get(k) != v for k, v in dflt.items())
+
+
+def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
+    """For each config stage 2 would run (`live_candidates`), try it with each changed knob put back
+    to the default's value, one at a time, in the simulator (one more stage-1 trial each); a knob
+    whose default gives the same result (`same_result` with the config it came from) stays at the
+    default. Random sampling almost never lands on the default's exact value of a knob that does
+    not matter, so without this a recommendation changes flags for nothing. Notes say what was
+    dropped; the new trials join the study and its ranking."""
+    notes = []
+    for cand in live_candidates(ranked, top_k, dflt)[0]:
+        leader = next((t for t in ranked if t.number == cand.number), None)
+        if leader is None or cand.label == "default" or len(leader.values) != 1:
+            continue
+        params, dropped = dict(leader.params), []
+        for name in [k for k in leader.params if k in dflt and leader.params[k] != dflt[k]]:
+            trial_params = params | {name: dflt[name]}
+            if not representable(stage1.space, trial_params):
+                continue
+            trial = stage1.run_more(trial_params)
+            if trial is not None and same_result(trial, leader):
+                params, simpler = trial_params, trial
+                dropped.append(f"{name} {leader.params[name]}")
+        if dropped:
+            notes.append(f"trial {simpler.number} is trial {leader.number} without {', '.join(dropped)} (back at "
+                         f"the default's value): the simulator scores it the same within {SIM_TIE:.0%}")
+    return notes
 
 
 def default_params(space: SearchSpace, default: EngineConfig) -> dict:

@@ -227,6 +227,22 @@ class Stage1:
             raise
         self.slim_dropped_runs()
 
+    def run_more(self, params: dict):
+        """One trial of `params` beyond the requested number (stage2.simpler_leaders' checks): the
+        completed trial that measured them (an earlier one of the same params, where there is one),
+        or None where it failed."""
+        def measured():
+            done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if t.params == params]
+            return next((t for t in done if "duplicate_of" not in t.user_attrs), done[0] if done else None)
+
+        if (earlier := measured()) is not None:
+            return earlier
+        self.study.enqueue_trial(params)
+        self.n_trials = count_taken(self.study) + 1
+        self.optimize()
+        return measured()
+
     def slim_dropped_runs(self) -> list[int]:
         """Store in summary the stage-1 runs kept in full that are no longer among those kept
         (a better trial came); returns their ids. Another process's trial counts once finished."""
