@@ -195,7 +195,7 @@ def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
     trials[2].values = [trials[2].values[0] * 0.95]  # as a config the sim scored lower would be
     candidates, notes = live_candidates(trials, 2, DEFAULT)
     assert [c.params for c in candidates] == [DEFAULT, A, configs[2]]
-    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0] and "within 1%" in notes[0]
+    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0] and f"within {SIM_TIE:.0%}" in notes[0]
     # Within SIM_TIE they are still one result; beyond it, each is its own candidate.
     value = trials[0].values[0]
     for factor, one in ((1 - 0.9 * SIM_TIE, True), (1 - 1.1 * SIM_TIE, False)):
@@ -230,6 +230,6 @@ def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tm
     assert set(by_params) == {(32, 256), (16, 256), (16, 8)}  # two more trials, one per changed knob
     assert by_params[(16, 8)].values[0] < 0.5 * by_params[(32, 256)].values[0]  # the queue: not the same
     assert notes == [f"trial {by_params[(16, 256)].number} is trial {by_params[(32, 256)].number} without "
-                     "block_size 32 (back at the default's value): the simulator scores it the same within 1%"]
+                     f"block_size 32 (back at the default's value): the simulator scores it the same within {SIM_TIE:.0%}"]
     candidates, _ = live_candidates(ranked, 1, dflt)
     assert [c.params for c in candidates] == [dflt, dflt | {"max_num_seqs": 256}]

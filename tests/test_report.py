@@ -379,3 +379,13 @@ def test_capacity_plan_of_an_fp8_live_run_takes_autos_bytes_from_the_studys_auto
     assert alone.auto_element_bytes == 4 and "assumed" in alone.auto_dtype_source  # the preset's float32
     assert helped.auto_element_bytes == 2 and helped.primary.pool_tokens == 8192 * 128
     assert f"live run {auto_id}" in helped.auto_dtype_source
+
+
+@pytest.mark.parametrize("auto_bytes, says", [(4, "1 byte per value instead of the model's 4: about four times"),
+                                              (2, "instead of the model's 2: about twice"),
+                                              (None, "instead of the model's 2 (16-bit, assumed): about twice")])
+def test_the_quality_note_counts_fp8s_gain_from_the_models_own_bytes(auto_bytes, says):
+    """A float32 model's fp8 cache holds four times the tokens (the demo's tiny model), a 16-bit one's twice."""
+    from kvtune.report.sections import quality_section
+    lead = quality_section({"auto", "fp8"}, "fp8", auto_bytes)[1].text
+    assert says in lead

@@ -222,11 +222,15 @@ def _live_pool_text(plan: CapacityPlan) -> str:
 
 # ---------------------------------------------------------------- 7. quality and every trial
 
-def quality_section(dtypes_used: set[str], recommended_dtype: str | None) -> list[Block]:
+def quality_section(dtypes_used: set[str], recommended_dtype: str | None, auto_bytes: int | None = None) -> list[Block]:
+    """`auto_bytes`: bytes per K/V element under `auto` (the capacity plan's), where known."""
     quantized = sorted(dtypes_used & set(QUANTIZED))
     if recommended_dtype in QUANTIZED:
+        n = auto_bytes or 2
+        times = {2: "twice", 4: "four times"}.get(n, f"{n} times")
         lead = (f"The recommended config stores the KV cache as `{recommended_dtype}`, 1 byte per value instead "
-                "of the model's 2: about twice the tokens fit, at a small accuracy cost.")
+                f"of the model's {n}{'' if auto_bytes else ' (16-bit, assumed)'}: about {times} the tokens fit, "
+                "at a small accuracy cost.")
     elif quantized:
         lead = f"The search also tried quantized KV caches ({', '.join(f'`{d}`' for d in quantized)})."
     else:

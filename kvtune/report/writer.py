@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvengine.config import EngineConfig
+from kvengine.config import DTYPE_BYTES, EngineConfig
 
 from .capacity import capacity_for
 from .context import context_section
@@ -62,11 +62,14 @@ def compose(data: ReportData, db_url: str) -> list[Block]:
     blocks += kv_section(data, runs, pools)
     blocks += diagnoses_section(runs, diagnoses)
     profile = data.best_run.result.workload if data.best_run else None
-    blocks += capacity_section(capacity_for(config or EngineConfig(), data.info.preset, data.info.device,
-                                            data.info.workload, profile, run=data.best_run, db_url=db_url,
-                                            live_run_ids=[m.run_id for m in data.live]))
+    capacity = capacity_for(config or EngineConfig(), data.info.preset, data.info.device, data.info.workload,
+                            profile, run=data.best_run, db_url=db_url, live_run_ids=[m.run_id for m in data.live])
+    blocks += capacity_section(capacity)
     dtypes = {t.params.get("kv_cache_dtype") for t in data.trials + data.live}
-    blocks += quality_section(dtypes, config.kv_cache_dtype if config and data.verdict.recommended else None)
+    plan = capacity.plan
+    auto_bytes = plan and (plan.auto_element_bytes or DTYPE_BYTES.get(plan.model_dtype))
+    blocks += quality_section(dtypes, config.kv_cache_dtype if config and data.verdict.recommended else None,
+                              auto_bytes)
     blocks += trials_section(data)
     return blocks
 

@@ -15,7 +15,17 @@ from ..results import RunResult
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .objective import Objective
-from .ranking import BETTER, FAILED, INCONCLUSIVE, INFEASIBLE, SUMMARY_MEANS, Measurement, choose, combine
+from .ranking import (
+    BETTER,
+    FAILED,
+    INCONCLUSIVE,
+    INFEASIBLE,
+    SIM_TIE,
+    SUMMARY_MEANS,
+    Measurement,
+    choose,
+    combine,
+)
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
 from .study import is_feasible
@@ -68,15 +78,10 @@ class LiveOutcome:
     measurement: Measurement | None = None
 
 
-# Stage-1 values this close (relative) are one result: the simulator's precision is coarser (a
-# calibrated fit's residuals are 5-15 %), and the live spreads we measured are wider still.
-SIM_TIE = 0.01
-
-
 def same_result(a, b) -> bool:
     """Two completed stage-1 trials the simulator cannot tell apart: both feasible or both not, and
-    their (first) values within SIM_TIE of each other (bit-identical runs, a knob that never bound,
-    are the plainest case; a workload all of whose requests both serve is another)."""
+    their (first) values within ranking.SIM_TIE of each other, the stage-1 verdict's tie (bit-identical
+    runs, a knob that never bound, are the plainest case; a trace that both serve whole is another)."""
     va, vb = a.values[0], b.values[0]
     return is_feasible(a) == is_feasible(b) and abs(va - vb) <= SIM_TIE * max(abs(va), abs(vb))
 
