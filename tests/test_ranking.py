@@ -210,7 +210,7 @@ def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tm
     simulator runs it with each changed knob back at the default's value, and keeps the default
     where the result holds (block_size), not where it drops (max_num_seqs)."""
     from kvtune.search.stage2 import simpler_leaders
-    from kvtune.search.study import Stage1, open_storage, open_study, ranked_trials
+    from kvtune.search.study import SIMPLIFIES, Stage1, count_taken, open_storage, open_study, ranked_trials
 
     db = f"sqlite:///{tmp_path}/s.db"
     space = load_space(None, ["block_size=16,32", "max_num_seqs=8,256", "kv_cache_dtype=auto",
@@ -228,8 +228,32 @@ def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tm
     ranked = ranked_trials(study, objective)
     by_params = {(t.params["block_size"], t.params["max_num_seqs"]): t for t in ranked}
     assert set(by_params) == {(32, 256), (16, 256), (16, 8)}  # two more trials, one per changed knob
+    leader = by_params[(32, 256)].number
+    assert [t.user_attrs.get(SIMPLIFIES) for t in (by_params[(16, 256)], by_params[(16, 8)])] == [leader, leader]
+    assert count_taken(study) == 1  # on top of --trials: a resumed search samples none in their place
     assert by_params[(16, 8)].values[0] < 0.5 * by_params[(32, 256)].values[0]  # the queue: not the same
     assert notes == [f"trial {by_params[(16, 256)].number} is trial {by_params[(32, 256)].number} without "
                      f"block_size 32 (back at the default's value): the simulator scores it the same within {SIM_TIE:.0%}"]
     candidates, _ = live_candidates(ranked, 1, dflt)
     assert [c.params for c in candidates] == [dflt, dflt | {"max_num_seqs": 256}]
+
+
+def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
+    """The simulator scores a config level with the default: the default stands for that result, and
+    the live stage measures the next result against it instead of running the default alone."""
+    dists = {k: optuna.distributions.CategoricalDistribution([16, 32, 64, 128, 256, "auto"]) for k in DEFAULT}
+    level, lower = dict(DEFAULT, block_size=32), dict(DEFAULT, block_size=64)
+    trials = []
+    for number, (params, value) in enumerate([(level, 10.05), (DEFAULT, 10.0), (lower, 9.0)]):
+        trial = optuna.trial.create_trial(params=params, distributions=dists, values=[value])
+        trial.number = number
+        trials.append(trial)
+    candidates, notes = live_candidates(trials, 1, DEFAULT)
+    assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 2", lower)]
+    assert notes == [f"trial 1 stands for trial 0 in stage 2: the simulator scored them within {SIM_TIE:.0%} of "
+                     "each other (one result at its precision), and it changes the fewest flags"]
+    # Where every config is level with the default, the sim's leader still runs live beside it.
+    trials[2].values = [10.0]
+    candidates, notes = live_candidates(trials, 1, DEFAULT)
+    assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 0", level)]
+    assert "trial 0 runs live though the simulator scores it level with the default" in notes[-1]

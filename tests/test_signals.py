@@ -13,6 +13,7 @@ import optuna
 import psutil
 import pytest
 
+from kvtune.search.study import SIMPLIFIES
 from kvtune.store import Store
 from kvtune.workload import TraceRequest, Workload, write_workload
 
@@ -146,12 +147,14 @@ def test_a_search_stopped_in_stage_1_resumes_to_exactly_the_trials_asked(tmp_pat
 
 
 def measured(study) -> list:
-    """Trials that measured a config: complete, or failed for a reason of the config's own."""
+    """Trials that measured a config towards --trials: complete, or failed for a reason of the config's
+    own (not stage 2's checks of a leader with fewer changed knobs, which come on top)."""
     def config_failed(t):
         reason = t.user_attrs.get("fail_reason")
         return reason is not None and not reason.startswith("interrupted") and not t.user_attrs.get("surplus")
-    return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE
-            or (t.state == optuna.trial.TrialState.FAIL and config_failed(t))]
+    return [t for t in study.trials if t.user_attrs.get(SIMPLIFIES) is None
+            and (t.state == optuna.trial.TrialState.COMPLETE
+                 or (t.state == optuna.trial.TrialState.FAIL and config_failed(t)))]
 
 
 def test_a_search_stopped_in_a_live_run(tmp_path):

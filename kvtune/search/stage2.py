@@ -89,6 +89,8 @@ def same_result(a, b) -> bool:
 def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConfig], list[str]]:
     """The live stage's configs: one for each of the top `top_k` results of stage 1's ranking
     (completed trials, best first; trials of one result, `same_result`, are one), and the default.
+    A result the default itself stands for takes no place of the `top_k`: the live stage measures
+    the next one against it.
     Running two of one result live spends the budget on one answer, so the trial with the fewest
     changes from the default stands for its result. Notes say which were left out."""
     groups: list[list] = []
@@ -99,7 +101,9 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
         else:
             group.append(trial)
     picked, notes = [], []
-    for twins in groups[:top_k]:
+    for twins in groups:
+        if sum(t.params != dflt for t in picked) == top_k:
+            break
         pick = min(twins, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
         picked.append(pick)
         others = [t for t in twins if t is not pick]
@@ -109,6 +113,11 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
             notes.append(f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them "
                          f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
                          "the fewest flags")
+    level = [t for t in ranked if t.params != dflt and all(t is not p for p in picked)]
+    for trial in level[:top_k - sum(t.params != dflt for t in picked)]:
+        picked.append(trial)  # no other result is left: the live stage still checks the sim's tie
+        notes.append(f"trial {trial.number} runs live though the simulator scores it level with the default: "
+                     "no other result is there to measure against it")
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in picked]
     if all(c.label != "default" for c in candidates):
@@ -140,7 +149,7 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
             trial_params = params | {name: dflt[name]}
             if not representable(stage1.space, trial_params):
                 continue
-            trial = stage1.run_more(trial_params)
+            trial = stage1.run_more(trial_params, leader.number)
             if trial is not None and same_result(trial, leader):
                 params, simpler = trial_params, trial
                 dropped.append(f"{name} {leader.params[name]}")

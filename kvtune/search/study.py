@@ -171,12 +171,15 @@ def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
     return failed
 
 
+SIMPLIFIES = "simplifies"  # a trial's user attr: the number of the leader it tries with fewer changed knobs
+
+
 def counts(trial) -> bool:
     """Whether a trial counts towards the requested number: measured (complete, or failed for a
     reason of its config), or running right now. A surplus slot, an interrupted trial and one
     whose process died (Optuna failed it as stale: no reason of ours) measured nothing."""
     attrs = trial.user_attrs
-    if attrs.get("surplus") or attrs.get("interrupted"):
+    if attrs.get("surplus") or attrs.get("interrupted") or attrs.get(SIMPLIFIES) is not None:
         return False
     if trial.state == TrialState.FAIL:
         return "fail_reason" in attrs
@@ -205,9 +208,10 @@ class Stage1:
         self.study.enqueue_trial(params, skip_if_exists=True)
         self._enqueued = self._enqueued or dict(params)
 
-    def optimize(self) -> None:
-        """Optuna's own loop (so the storage heartbeat runs), stopped once the study is full."""
-        if count_taken(self.study) >= self.n_trials:
+    def optimize(self, one_more: bool = False) -> None:
+        """Optuna's own loop (so the storage heartbeat runs), stopped once the study is full;
+        `one_more`: one trial (the enqueued one run_more asks for), full or not."""
+        if count_taken(self.study) >= self.n_trials and not one_more:
             self.slim_dropped_runs()
             return
 
@@ -219,16 +223,21 @@ class Stage1:
             self.slim_dropped_runs()
 
         try:
-            self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
-                                gc_after_trial=False)
+            if one_more:
+                self.study.optimize(self._objective, n_trials=1, callbacks=[slim], catch=(TrialFailed,),
+                                    gc_after_trial=False)
+            else:
+                self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
+                                    gc_after_trial=False)
         except BaseException as err:
             if interruption(err):
                 self._fail_interrupted(err)
             raise
         self.slim_dropped_runs()
 
-    def run_more(self, params: dict):
-        """One trial of `params` beyond the requested number (stage2.simpler_leaders' checks): the
+    def run_more(self, params: dict, simplifies: int):
+        """One trial of `params` beyond the requested number, marked as a simpler form of trial
+        `simplifies` (stage2.simpler_leaders' checks; it does not count towards --trials): the
         completed trial that measured them (an earlier one of the same params, where there is one),
         or None where it failed."""
         def measured():
@@ -238,9 +247,8 @@ class Stage1:
 
         if (earlier := measured()) is not None:
             return earlier
-        self.study.enqueue_trial(params)
-        self.n_trials = count_taken(self.study) + 1
-        self.optimize()
+        self.study.enqueue_trial(params, user_attrs={SIMPLIFIES: simplifies})
+        self.optimize(one_more=True)
         return measured()
 
     def slim_dropped_runs(self) -> list[int]:
@@ -298,7 +306,7 @@ class Stage1:
     def _objective(self, trial: optuna.Trial):
         self._trial = trial
         mark_started(trial)
-        if self._counted_before(trial.number) >= self.n_trials:
+        if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number) >= self.n_trials:
             trial.set_user_attr("surplus", True)  # another process took the last slot
             self.study.stop()
             raise TrialFailed("surplus")
