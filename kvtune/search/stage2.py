@@ -113,7 +113,9 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
             notes.append(f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them "
                          f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
                          "the fewest flags")
-    level = [t for t in ranked if t.params != dflt and all(t is not p for p in picked)]
+    with_default = next((g for g in groups if any(t.params == dflt for t in g)), [])
+    level = sorted((t for t in with_default if t.params != dflt and all(t is not p for p in picked)),
+                   key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
     for trial in level[:top_k - sum(t.params != dflt for t in picked)]:
         picked.append(trial)  # no other result is left: the live stage still checks the sim's tie
         notes.append(f"trial {trial.number} runs live though the simulator scores it level with the default: "
