@@ -24,19 +24,13 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
-from kvengine.core.request import SamplingParams
 from kvengine.engine.clock import VirtualClock
+from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
+from kvengine.executor.cost import TIED_TO, CostCoefficients, StepCost
 from kvengine.engine.llm_engine import LLMEngine
+from kvengine.executor.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
 from kvengine.executor.abstract import SimExecutor
-from kvengine.executor.cost import (
-    SHAPE_FIELDS,
-    STEP_SHAPE_FIELDS,
-    TIED_TO,
-    CostCoefficients,
-    StepCost,
-    StepShape,
-)
+from kvengine.core.request import SamplingParams
 
 from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
 
@@ -379,9 +373,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     attention share (decode_attention_efficiency: a paged decode kernel beside a
     flash-attention prefill) and that of chunks after earlier context
     (context_attention_efficiency: gathered context and an explicit mask)."""
-    from scipy.optimize import (
-        least_squares,  # here: only calibration pays scipy's import
-    )
+    from scipy.optimize import least_squares  # here: only calibration pays scipy's import
 
     base = base or CostCoefficients()
     obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]

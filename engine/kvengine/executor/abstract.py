@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvengine.config import EngineConfig
+from kvengine.executor.cost import StepCost, StepShape, step_shape
 from kvengine.core.kv_manager import KVManager
 from kvengine.core.scheduler import SchedulerOutput
-from kvengine.executor.cost import StepCost, StepShape, step_shape
 
 # Pseudo tokens stay inside the id range every common tokenizer accepts and
 # never hit special tokens (so the simulator never emits EOS).

@@ -8,7 +8,8 @@ hidden per sampled token (logits are computed only where a token is sampled:
 a prefill chunk's last row, each decode), plus the attention FLOPs (a decode's at
 their own share of peak where the coefficients give one). Its time is
 max(memory time, compute time) + a fixed per-step overhead + a per-sequence
-overhead (+ a quantized cache's dequantization: per step, and per K/V element gathered). Small blocks read K/V less efficiently (more block-table lookups
+overhead (+ a quantized cache's dequantization: per step, and per K/V element
+gathered). Small blocks read K/V less efficiently (more block-table lookups
 and partial tiles per byte), which is how block_size enters.
 
 All coefficients live in CostCoefficients so a profile fitted to a live
@@ -126,7 +127,7 @@ def check_ranges(c: CostCoefficients) -> None:
             continue
         low, high = bounds
         if not low <= value <= high:
-            show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
+            show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
             raise ValueError(f"{f.name} must be in [{show(low)}, {show(high)}], got {show(value)}")
 
 
@@ -256,7 +257,7 @@ class StepCost:
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
-              coeffs: CostCoefficients | None = None) -> StepCost:
+              coeffs: CostCoefficients | None = None) -> "StepCost":
         c = coeffs or CostCoefficients()
         kv_token = kv_bytes_per_token(model, kv_cache_dtype)
         block_eff = block_size / (block_size + c.block_overhead_tokens)

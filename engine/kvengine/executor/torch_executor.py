@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kvengine.core.kv_cache_manager import cdiv
 from kvengine.config import (
     DEVICE_PRESETS,
     ConfigError,
@@ -37,17 +38,10 @@ from kvengine.config import (
     GiB,
     ModelSpec,
 )
-from kvengine.core.kv_cache_manager import cdiv
-from kvengine.core.kv_manager import KVManager
-from kvengine.core.memory import (
-    KVCacheMemoryError,
-    activation_peak_bytes,
-    kv_bytes_per_block,
-)
-from kvengine.core.request import SamplingParams
-from kvengine.core.scheduler import SchedulerOutput
 from kvengine.executor.abstract import ExecutorOutput
 from kvengine.model.kv_cache import PagedKVCache
+from kvengine.core.kv_manager import KVManager
+from kvengine.core.memory import KVCacheMemoryError, activation_peak_bytes, kv_bytes_per_block
 from kvengine.model.llama import (
     AttentionBatch,
     LlamaModel,
@@ -55,7 +49,9 @@ from kvengine.model.llama import (
     decode_bias,
     prefill_mask,
 )
+from kvengine.core.request import SamplingParams
 from kvengine.model.sampling import Sampler, is_greedy
+from kvengine.core.scheduler import SchedulerOutput
 
 DEFAULT_CPU_MEMORY = 2 * GiB
 THREADS_ENV = "KVENGINE_NUM_THREADS"
