@@ -233,7 +233,8 @@ def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tm
     assert count_taken(study) == 1  # on top of --trials: a resumed search samples none in their place
     assert by_params[(16, 8)].values[0] < 0.5 * by_params[(32, 256)].values[0]  # the queue: not the same
     assert notes == [f"trial {by_params[(16, 256)].number} is trial {by_params[(32, 256)].number} without "
-                     f"block_size 32 (back at the default's value): the simulator scores it the same within {SIM_TIE:.0%}"]
+                     f"block_size 32 (back at the default's value): the simulator scores it the same within "
+                     f"{SIM_TIE:.0%}"]
     candidates, _ = live_candidates(ranked, 1, dflt)
     assert [c.params for c in candidates] == [dflt, dflt | {"max_num_seqs": 256}]
 

@@ -376,15 +376,13 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     from scipy.optimize import least_squares  # here: only calibration pays scipy's import
 
     base = base or CostCoefficients()
-    obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
-    dropped = [o for o in observations if not (o.measured_s > 0 and math.isfinite(o.measured_s))]
+    obs, dropped = _usable(observations)
     if len(obs) < len(FITTED) + 1:
         raise CalibrationError(f"{len(obs)} usable timings: too few to fit {len(FITTED)} coefficients")
     clients = []
     if fit_client_overhead:
         clients = [CLIENT] + ([CLIENT_BUSY] if any(o.client == "busy" for o in obs) else [])
-    measured = np.array([o.measured_s for o in obs])
-    scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
+    measured, scale = _weighed(obs, noise_floor)
     tied = dataclasses.replace(base, **dict.fromkeys(TIED_TO))
 
     def solve(names: list[str], starts, fixed: CostCoefficients = tied) -> tuple:
@@ -511,8 +509,7 @@ def fit_dequant(shapes: np.ndarray, observations: list[Observation], model: Mode
 
     if kv_cache_dtype == "auto":
         raise CalibrationError("the dequantization terms need probes of a server with a quantized KV cache")
-    obs = [o for o in observations if o.measured_s > 0 and math.isfinite(o.measured_s)]
-    dropped = [o for o in observations if not (o.measured_s > 0 and math.isfinite(o.measured_s))]
+    obs, dropped = _usable(observations)
     if len(obs) < len(DEQUANT) + 1:
         raise CalibrationError(f"{len(obs)} usable timings of the {kv_cache_dtype} probes: too few to fit "
                                f"{len(DEQUANT)} terms")
@@ -524,8 +521,7 @@ def fit_dequant(shapes: np.ndarray, observations: list[Observation], model: Mode
     gathered = shapes[:, STEP_SHAPE_FIELDS.index("gathered_tokens")] * per_token
     # Seconds each observation gains per unit of each term: its weighted count of steps, of elements.
     slopes = np.stack([predict(obs, np.ones(len(shapes)), 0.0, 0.0), predict(obs, gathered, 0.0, 0.0)], axis=1)
-    measured = np.array([o.measured_s for o in obs])
-    scale = np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
+    measured, scale = _weighed(obs, noise_floor)
     a = slopes / (measured * scale)[:, None]
     norms = np.linalg.norm(a, axis=0)
     norms[norms == 0] = 1.0
@@ -536,6 +532,19 @@ def fit_dequant(shapes: np.ndarray, observations: list[Observation], model: Mode
         o.predicted_s = float(p)
     fitted = dataclasses.replace(coeffs, **{name: float(v) for name, v in zip(DEQUANT, values)})
     return DequantFit(fitted, obs, without, dropped)
+
+
+def _usable(observations: list[Observation]) -> tuple[list[Observation], list[Observation]]:
+    """The timings a fit can use (positive and finite), and those it drops."""
+    usable = [o.measured_s > 0 and math.isfinite(o.measured_s) for o in observations]
+    return ([o for o, u in zip(observations, usable) if u], [o for o, u in zip(observations, usable) if not u])
+
+
+def _weighed(obs: list[Observation], noise_floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """The measured times, and each relative error's divisor: its observation's relative standard
+    error, floored at `noise_floor` and scaled so that the floor weighs 1."""
+    measured = np.array([o.measured_s for o in obs])
+    return measured, np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
 
 
 def _cost(sol, part: np.ndarray, loss: str) -> float:

@@ -63,10 +63,10 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
                         cost_profile: str | None = None, quick: bool = False, max_batch: int = 64,
                         max_prompt: int | None = None, options: ProbeOptions | None = None,
                         progress=None) -> CalibrationProfile:
-    """`profile` with kv_cache_dtype's dequantization cost (kv_dequant_per_element_s), fitted to the
+    """`profile` with kv_cache_dtype's dequantization cost (fit.DEQUANT's two terms), fitted to the
     decode and long-context probes of the target's server started again with that KV cache dtype;
     the rest of the profile's coefficients hold. A quantized cache changes what a step reads, not
-    how the server schedules, so these probes time the one term the main fit could not see."""
+    how the server schedules, so these probes time the terms the main fit could not see."""
     model, device_spec = profile.specs()
     config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
     if progress:
@@ -103,6 +103,7 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
 
 
 def _observation(o) -> dict:
+    """An Observation as the profile keeps it."""
     return {"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
             "predicted_s": o.predicted_s}
 
@@ -164,8 +165,7 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
         served_model=info.model_name,
         server=info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
         residuals=result.residuals(), roofline_residuals=result.initial,
-        observations=[{"kind": o.kind, "label": o.label, "measure": o.measure, "measured_s": o.measured_s,
-                       "predicted_s": o.predicted_s} for o in result.observations],
+        observations=[_observation(o) for o in result.observations],
         probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {}, notes=notes,
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
     reasons = degenerate_reasons(result)

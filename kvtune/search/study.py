@@ -223,12 +223,9 @@ class Stage1:
             self.slim_dropped_runs()
 
         try:
-            if one_more:
-                self.study.optimize(self._objective, n_trials=1, callbacks=[slim], catch=(TrialFailed,),
-                                    gc_after_trial=False)
-            else:
-                self.study.optimize(self._objective, callbacks=[slim, stop_when_full], catch=(TrialFailed,),
-                                    gc_after_trial=False)
+            self.study.optimize(self._objective, n_trials=1 if one_more else None,
+                                callbacks=[slim] if one_more else [slim, stop_when_full], catch=(TrialFailed,),
+                                gc_after_trial=False)
         except BaseException as err:
             if interruption(err):
                 self._fail_interrupted(err)
