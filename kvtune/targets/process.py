@@ -68,8 +68,12 @@ class ManagedServer:
     def start(self) -> None:
         log = open(self.log_path, "w")
         try:
+            # Its own process group, so that we stop all it spawns, but our session: Linux's autogroup
+            # shares the CPU between sessions by their recent load, so a server in a session of its own
+            # starves our mostly idle load generator whenever the cores are busy: its requests go out
+            # late, and the clients time that wait into every TTFT.
             spawn(self.command, self._keep, stdout=log, stderr=subprocess.STDOUT, env=self._env,
-                  start_new_session=True)  # its own group: we stop all it spawns
+                  stdin=subprocess.DEVNULL, process_group=0)
         except OSError as err:
             message = f"cannot run {self.command[0]!r}: {err.strerror or err}"
             raise TargetStartError(message, cause=message) from err
