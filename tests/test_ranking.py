@@ -23,7 +23,15 @@ from kvtune.search.ranking import (
     describe,
     interval,
 )
-from kvtune.search.stage2 import SIM_TIE, LiveConfig, LivePlan, default_params, live_candidates, run_stage2
+from kvtune.search.stage2 import (
+    SIM_TIE,
+    LiveConfig,
+    LivePlan,
+    default_params,
+    live_candidates,
+    run_stage2,
+    same_result,
+)
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -258,3 +266,69 @@ def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
     candidates, notes = live_candidates(trials, 1, DEFAULT)
     assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 0", level)]
     assert "trial 0 runs live though the simulator scores it level with the default" in notes[-1]
+
+
+def _level_trial(number: int, params: dict, value: float, ttft_s: float, threshold_s: float = 2.0):
+    """A completed stage-1 trial as the study holds it: its value, the SLO's constraint and observed percentile."""
+    dists = {k: optuna.distributions.CategoricalDistribution([16, 32, 64, 128, 256, "auto", "fp8"]) for k in DEFAULT}
+    trial = optuna.trial.create_trial(params=params, distributions=dists, values=[value],
+                                      constraints={"ttft_p95": ttft_s - threshold_s},
+                                      user_attrs={"observed_ttft_p95": ttft_s})
+    trial.number = number
+    return trial
+
+
+def test_a_level_config_runs_live_by_its_headroom_in_the_slos():
+    """Every config serves the trace whole in the simulator (level with the default): the live stage
+    runs the one the sim ran furthest inside the SLOs (the pool's tipping point is the sim's blind
+    spot), in the simplest form that keeps its headroom; without such headroom, the fewest changes."""
+    fp8 = dict(DEFAULT, kv_cache_dtype="fp8")
+    fp8_more = dict(DEFAULT, kv_cache_dtype="fp8", block_size=64, max_num_seqs=128)
+    level_block = dict(DEFAULT, block_size=32)
+    trials = [_level_trial(0, level_block, 10.0, 1.0), _level_trial(1, DEFAULT, 10.0, 1.0),
+              _level_trial(2, fp8_more, 10.0, 0.2), _level_trial(3, fp8, 10.0, 0.25)]
+    candidates, notes = live_candidates(trials, 1, DEFAULT)
+    assert [c.params for c in candidates] == [DEFAULT, fp8]  # 0.875 keeps 90 % of trial 2's 0.9 over 0.5
+    assert "trial 3 runs live though the simulator scores it level with the default" in notes[-1]
+    assert "headroom 0.88 against the default's 0.50" in notes[-1]
+    trials[3] = _level_trial(3, fp8, 10.0, 0.4)  # 0.8: fp8 alone gives up a quarter of the headroom
+    assert [c.params for c in live_candidates(trials, 1, DEFAULT)[0]] == [DEFAULT, fp8_more]
+    # Headroom within the sim's noise decides nothing: the fewest changes, as before.
+    trials = [_level_trial(0, level_block, 10.0, 1.0), _level_trial(1, DEFAULT, 10.0, 1.0),
+              _level_trial(2, fp8_more, 10.0, 0.96), _level_trial(3, fp8, 10.0, 0.97)]
+    candidates, notes = live_candidates(trials, 1, DEFAULT)
+    assert [c.params for c in candidates] == [DEFAULT, level_block]
+    assert "headroom" not in notes[-1]
+
+
+def test_a_level_leader_is_simplified_to_what_keeps_its_headroom(tmp_path):
+    """On a trace every config serves whole, the auto-dtype default sits near its pool's tipping
+    point (TTFT p95 up, goodput level within SIM_TIE) while fp8 has room: the live stage runs fp8
+    alone, not the sampled leader's three changes, and not the default a second time."""
+    from kvtune.search.stage2 import headroom, simpler_leaders
+    from kvtune.search.study import Stage1, open_storage, open_study, ranked_trials
+
+    db = f"sqlite:///{tmp_path}/s.db"
+    space = load_space(None, ["block_size=16,32", "max_num_seqs=128,256", "kv_cache_dtype=auto,fp8",
+                              "gpu_memory_utilization=0.9"])
+    dflt = {"block_size": 32, "max_num_seqs": 256, "kv_cache_dtype": "auto", "gpu_memory_utilization": 0.9}
+    sampled = dflt | {"block_size": 16, "max_num_seqs": 128, "kv_cache_dtype": "fp8"}
+    objective = Objective("goodput", (parse_slo("ttft_p95=1s"),))
+    light = Workload([TraceRequest(i * 0.5, 400, 50) for i in range(32)])
+    study = open_study(open_storage(db), "level", objective, "tpe", 0, {})
+    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"))
+    base = EngineConfig(max_model_len=1200, kv_cache_memory_bytes=410_000_000)
+    with Store(db) as store:
+        stage1 = Stage1(study, space, base, objective, sim.run, light, store, 2)
+        stage1.enqueue(dflt)
+        stage1.enqueue(sampled)
+        stage1.optimize()
+        first = {t.params["kv_cache_dtype"]: t for t in ranked_trials(study, objective)}
+        assert same_result(first["auto"], first["fp8"])  # level in goodput ...
+        assert headroom(first["fp8"]) > headroom(first["auto"]) + 0.05  # ... not in TTFT
+        notes = simpler_leaders(stage1, ranked_trials(study, objective), 1, dflt)
+    fp8 = dflt | {"kv_cache_dtype": "fp8"}
+    assert any("without block_size 16, max_num_seqs 128" in n and "keeps its headroom" in n for n in notes), notes
+    candidates, notes = live_candidates(ranked_trials(study, objective), 1, dflt)
+    assert [c.params for c in candidates] == [dflt, fp8]
+    assert "runs live though the simulator scores it level with the default" in notes[-1]

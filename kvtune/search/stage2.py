@@ -34,6 +34,8 @@ from .validity import measured_on, run_doubts
 DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
 NAMED_TWINS = 4  # a note names this many of the trials a live candidate stands for
 LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
+HEADROOM_KEPT = 0.9  # a simpler level config stands for the one with the most headroom if it keeps this share of its gain
+HEADROOM_NOISE = 0.05  # a headroom gain over the default below this (5 % of one SLO's threshold) is the sim's noise
 
 
 @dataclass
@@ -93,13 +95,7 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     the next one against it.
     Running two of one result live spends the budget on one answer, so the trial with the fewest
     changes from the default stands for its result. Notes say which were left out."""
-    groups: list[list] = []
-    for trial in ranked:
-        group = next((g for g in groups if same_result(g[0], trial)), None)
-        if group is None:
-            groups.append([trial])
-        else:
-            group.append(trial)
+    groups = _results(ranked)
     picked, notes = [], []
     for twins in groups:
         if sum(t.params != dflt for t in picked) == top_k:
@@ -114,12 +110,11 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
                          f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
                          "the fewest flags")
     with_default = next((g for g in groups if any(t.params == dflt for t in g)), [])
-    level = sorted((t for t in with_default if t.params != dflt and all(t is not p for p in picked)),
-                   key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
+    level = [t for t in level_order(with_default, dflt) if all(t is not p for p in picked)]
     for trial in level[:top_k - sum(t.params != dflt for t in picked)]:
         picked.append(trial)  # no other result is left: the live stage still checks the sim's tie
         notes.append(f"trial {trial.number} runs live though the simulator scores it level with the default: "
-                     "no other result is there to measure against it")
+                     "no other result is there to measure against it" + _headroom_note(trial, with_default, dflt))
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in picked]
     if all(c.label != "default" for c in candidates):
@@ -127,6 +122,80 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
         candidates.append(LiveConfig("default", dnum, dflt))
     candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
     return candidates, notes
+
+
+def _results(ranked: list) -> list[list]:
+    """Stage 1's ranked trials grouped into results (`same_result` with the group's first), best first."""
+    groups: list[list] = []
+    for trial in ranked:
+        group = next((g for g in groups if same_result(g[0], trial)), None)
+        if group is None:
+            groups.append([trial])
+        else:
+            group.append(trial)
+    return groups
+
+
+def headroom(trial) -> float | None:
+    """How far inside its SLOs the simulator ran a trial: the sum over the SLOs of (threshold -
+    observed percentile) / threshold; None without SLOs. The sum, not the tightest SLO's slack:
+    the SLO that breaks first live, at the pool's tipping point (TTFT, as requests queue for KV),
+    need not be the tightest in the simulator."""
+    rooms = []
+    for name, violation in (trial.constraints or {}).items():
+        observed = trial.user_attrs.get(f"observed_{name}")
+        if observed is not None and observed - violation > 0:
+            rooms.append(-violation / (observed - violation))
+    return sum(rooms) if rooms else None
+
+
+def headroom_floor(level: list, dflt: dict) -> float | None:
+    """The headroom a config of `level` (the default's result group, its trial among them) must
+    keep to stand for the one the simulator ran furthest inside the SLOs: HEADROOM_KEPT of that
+    one's gain over the default's trial; None where either is unknown or the gain is within the
+    simulator's precision (HEADROOM_NOISE), and headroom decides nothing."""
+    default = next((t for t in level if t.params == dflt), None)
+    rooms = [r for r in (headroom(t) for t in level if t.params != dflt) if r is not None]
+    base = headroom(default) if default is not None else None
+    if not rooms or base is None or max(rooms) - base < HEADROOM_NOISE:
+        return None
+    return max(rooms) - (1 - HEADROOM_KEPT) * (max(rooms) - base)
+
+
+def level_order(level: list, dflt: dict) -> list:
+    """The trials of `level` (the default's result group, its trial among them) other than the
+    default's, in the order the live stage takes them: the `headroom_lead` first, then the rest by
+    fewest changes."""
+    lead = headroom_lead(level, dflt)
+    others = [t for t in level if t.params != dflt and t is not lead]
+    return ([lead] if lead is not None else []) + sorted(others, key=lambda t: changes(t.params, dflt))
+
+
+def headroom_lead(level: list, dflt: dict):
+    """Of trials the simulator scores level with the default (the default's trial among them), the
+    one the live stage runs first; None where headroom decides nothing. Where the sim scores
+    configs level with the default, what can still differ live is the pool's tipping point, the
+    simulator's blind spot: the config the sim ran furthest inside the SLOs (the most KV headroom)
+    is the one most likely to beat the default live. The simplest of those keeping HEADROOM_KEPT of
+    its gain stands for it."""
+    floor = headroom_floor(level, dflt)
+    if floor is None:
+        return None
+    return min((t for t in level if t.params != dflt and _or_lowest(headroom(t)) >= floor),
+               key=lambda t: changes(t.params, dflt))
+
+
+def _or_lowest(value: float | None) -> float:
+    return value if value is not None else float("-inf")
+
+
+def _headroom_note(trial, level: list, dflt: dict) -> str:
+    if trial is not headroom_lead(level, dflt):
+        return ""
+    default = next(t for t in level if t.params == dflt)
+    return (f"; of those level configs it ran furthest inside the SLOs in the simulator, with the fewest changes "
+            f"(headroom {headroom(trial):.2f} against the default's {headroom(default):.2f}: the sum of each SLO's "
+            "slack over its threshold), so it is the one most likely to beat the default live")
 
 
 def changes(params: dict, dflt: dict) -> int:
@@ -139,12 +208,20 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
     to the default's value, one at a time, in the simulator (one more stage-1 trial each); a knob
     whose default gives the same result (`same_result` with the config it came from) stays at the
     default. Random sampling almost never lands on the default's exact value of a knob that does
-    not matter, so without this a recommendation changes flags for nothing. Notes say what was
+    not matter, so without this a recommendation changes flags for nothing. A config the sim scores
+    level with the default is its headroom lead (`headroom_lead`): its knob goes back where the
+    simpler form keeps the headroom too, and where headroom decides nothing it is not simplified
+    (every knob would go back: the sim tells those configs apart in nothing). Notes say what was
     dropped; the new trials join the study and its ranking."""
     notes = []
+    with_default = next((g for g in _results(ranked) if any(t.params == dflt for t in g)), [])
     for cand in live_candidates(ranked, top_k, dflt)[0]:
         leader = next((t for t in ranked if t.number == cand.number), None)
         if leader is None or cand.label == "default" or len(leader.values) != 1:
+            continue
+        level = any(t is leader for t in with_default)
+        floor = headroom_floor(with_default, dflt) if level else None
+        if level and floor is None:
             continue
         params, dropped = dict(leader.params), []
         for name in [k for k in leader.params if k in dflt and leader.params[k] != dflt[k]]:
@@ -152,12 +229,14 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
             if not representable(stage1.space, trial_params):
                 continue
             trial = stage1.run_more(trial_params, leader.number)
-            if trial is not None and same_result(trial, leader):
+            if (trial is not None and same_result(trial, leader)
+                    and (floor is None or _or_lowest(headroom(trial)) >= floor)):
                 params, simpler = trial_params, trial
                 dropped.append(f"{name} {leader.params[name]}")
         if dropped:
+            keeps = " and keeps its headroom in the SLOs" if floor is not None else ""
             notes.append(f"trial {simpler.number} is trial {leader.number} without {', '.join(dropped)} (back at "
-                         f"the default's value): the simulator scores it the same within {SIM_TIE:.0%}")
+                         f"the default's value): the simulator scores it the same within {SIM_TIE:.0%}{keeps}")
     return notes
 
 

@@ -71,7 +71,8 @@ class ManagedServer:
             # Its own process group, so that we stop all it spawns, but our session: Linux's autogroup
             # shares the CPU between sessions by their recent load, so a server in a session of its own
             # starves our mostly idle load generator whenever the cores are busy: its requests go out
-            # late, and the clients time that wait into every TTFT.
+            # late, and the clients time that wait into every TTFT. Stdin from /dev/null: a read of the
+            # terminal from a process group that is not the terminal's foreground one stops it (SIGTTIN).
             spawn(self.command, self._keep, stdout=log, stderr=subprocess.STDOUT, env=self._env,
                   stdin=subprocess.DEVNULL, process_group=0)
         except OSError as err:
