@@ -291,6 +291,11 @@ def test_a_level_config_runs_live_by_its_headroom_in_the_slos():
     assert [c.params for c in candidates] == [DEFAULT, fp8]  # 0.875 keeps 90 % of trial 2's 0.9 over 0.5
     assert "trial 3 runs live though the simulator scores it level with the default" in notes[-1]
     assert "headroom 0.88 against the default's 0.50" in notes[-1]
+    # It comes before a result the simulator scores below the default; the next slot goes to that one.
+    worse = dict(DEFAULT, block_size=128)
+    trials.append(_level_trial(4, worse, 8.0, 1.5))
+    assert [c.params for c in live_candidates(trials, 1, DEFAULT)[0]] == [DEFAULT, fp8]
+    assert [c.params for c in live_candidates(trials, 2, DEFAULT)[0]] == [DEFAULT, fp8, worse]
     trials[3] = _level_trial(3, fp8, 10.0, 0.4)  # 0.8: fp8 alone gives up a quarter of the headroom
     assert [c.params for c in live_candidates(trials, 1, DEFAULT)[0]] == [DEFAULT, fp8_more]
     # Headroom within the sim's noise decides nothing: the fewest changes, as before.

@@ -92,29 +92,38 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     """The live stage's configs: one for each of the top `top_k` results of stage 1's ranking
     (completed trials, best first; trials of one result, `same_result`, are one), and the default.
     A result the default itself stands for takes no place of the `top_k`: the live stage measures
-    the next one against it.
+    the next one against it, and right after it comes the config the simulator scores level with
+    the default but runs furthest inside the SLOs (`headroom_lead`), before any result the sim
+    scores below the default.
     Running two of one result live spends the budget on one answer, so the trial with the fewest
     changes from the default stands for its result. Notes say which were left out."""
     groups = _results(ranked)
+    with_default = next((g for g in groups if any(t.params == dflt for t in g)), [])
+    lead = headroom_lead(with_default, dflt)
+    after = groups.index(with_default) + 1 if with_default else len(groups)
     picked, notes = [], []
-    for twins in groups:
+    for twins in groups[:after] + ([[lead]] if lead is not None else []) + groups[after:]:
         if sum(t.params != dflt for t in picked) == top_k:
             break
+        if twins[0] is lead:
+            picked.append(lead)
+            notes.append(_lead_note(lead, with_default, dflt))
+            continue
         pick = min(twins, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
         picked.append(pick)
-        others = [t for t in twins if t is not pick]
+        others = [t for t in twins if t is not pick and t is not lead]
         if others:
             named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
             more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
             notes.append(f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them "
                          f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
                          "the fewest flags")
-    with_default = next((g for g in groups if any(t.params == dflt for t in g)), [])
-    level = [t for t in level_order(with_default, dflt) if all(t is not p for p in picked)]
+    level = sorted((t for t in with_default if t.params != dflt and all(t is not p for p in picked)),
+                   key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
     for trial in level[:top_k - sum(t.params != dflt for t in picked)]:
         picked.append(trial)  # no other result is left: the live stage still checks the sim's tie
         notes.append(f"trial {trial.number} runs live though the simulator scores it level with the default: "
-                     "no other result is there to measure against it" + _headroom_note(trial, with_default, dflt))
+                     "no other result is there to measure against it")
     candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
                   for t in picked]
     if all(c.label != "default" for c in candidates):
@@ -122,6 +131,15 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
         candidates.append(LiveConfig("default", dnum, dflt))
     candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
     return candidates, notes
+
+
+def _lead_note(lead, level: list, dflt: dict) -> str:
+    default = next(t for t in level if t.params == dflt)
+    return (f"trial {lead.number} runs live though the simulator scores it level with the default: of those "
+            f"level configs it ran furthest inside the SLOs, with the fewest changes (headroom "
+            f"{headroom(lead):.2f} against the default's {headroom(default):.2f}: the sum of each SLO's slack "
+            "over its threshold), and the simulator is optimistic at the pool's tipping point, so it is the "
+            "one most likely to beat the default live")
 
 
 def _results(ranked: list) -> list[list]:
@@ -162,15 +180,6 @@ def headroom_floor(level: list, dflt: dict) -> float | None:
     return max(rooms) - (1 - HEADROOM_KEPT) * (max(rooms) - base)
 
 
-def level_order(level: list, dflt: dict) -> list:
-    """The trials of `level` (the default's result group, its trial among them) other than the
-    default's, in the order the live stage takes them: the `headroom_lead` first, then the rest by
-    fewest changes."""
-    lead = headroom_lead(level, dflt)
-    others = [t for t in level if t.params != dflt and t is not lead]
-    return ([lead] if lead is not None else []) + sorted(others, key=lambda t: changes(t.params, dflt))
-
-
 def headroom_lead(level: list, dflt: dict):
     """Of trials the simulator scores level with the default (the default's trial among them), the
     one the live stage runs first; None where headroom decides nothing. Where the sim scores
@@ -187,15 +196,6 @@ def headroom_lead(level: list, dflt: dict):
 
 def _or_lowest(value: float | None) -> float:
     return value if value is not None else float("-inf")
-
-
-def _headroom_note(trial, level: list, dflt: dict) -> str:
-    if trial is not headroom_lead(level, dflt):
-        return ""
-    default = next(t for t in level if t.params == dflt)
-    return (f"; of those level configs it ran furthest inside the SLOs in the simulator, with the fewest changes "
-            f"(headroom {headroom(trial):.2f} against the default's {headroom(default):.2f}: the sum of each SLO's "
-            "slack over its threshold), so it is the one most likely to beat the default live")
 
 
 def changes(params: dict, dflt: dict) -> int:
