@@ -337,3 +337,15 @@ def test_a_level_leader_is_simplified_to_what_keeps_its_headroom(tmp_path):
     candidates, notes = live_candidates(ranked_trials(study, objective), 1, dflt)
     assert [c.params for c in candidates] == [dflt, fp8]
     assert "runs live though the simulator scores it level with the default" in notes[-1]
+
+
+def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_one_that_is():
+    """The 12-config vLLM truth run of 2026-12-03: block 32 / fp8 beat the default beyond the spread,
+    fp8 alone tied with it but overlapped the default's runs; the one shown to gain is recommended,
+    and nothing claims that no config beats the default."""
+    live = (runs(B, 10, [29.09, 29.71, 22.53]) + runs(A, 15, [22.07, 23.06, 16.74])
+            + runs(DEFAULT, -1, [7.82, 14.84, 16.96]))
+    verdict, _, _ = choose([], live, [SLO], DEFAULT)
+    assert [c.params for c in verdict.tied] == [B, A]
+    assert verdict.kind == BETTER and verdict.recommended.params == B
+    assert "beats the default" in verdict.reasons[0]

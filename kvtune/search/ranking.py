@@ -321,15 +321,21 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
         reasons = ["no config beats the default beyond the spread of its runs" if stage == "live" else
                    f"no config beats the default by more than {SIM_TIE:.0%} on the simulator"]
         return Verdict(stage, default_in, None, kind=KEEP_DEFAULT, reasons=reasons, leader=leader, tied=tied)
-    pick = min(tied, key=lambda c: (c.changes_from(default.params), -(on(c).value or 0.0)))
+    def smallest(configs):
+        return min(configs, key=lambda c: (c.changes_from(default.params), -(on(c).value or 0.0)))
+
     if default_in is None or not on(default_in).ok:
         why = "the default did not complete a run" if stage == "live" else "the default was not measured"
-        return Verdict(stage, pick, None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
-    reason = beats(pick, default_in)
-    if reason is not None:
-        return Verdict(stage, pick, None, kind=BETTER, reasons=[f"{pick.label} beats the default: {reason}"],
-                       leader=leader, tied=tied)
+        return Verdict(stage, smallest(tied), None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
+    # Of the tied, only one shown to beat the default is a change worth making: a smaller change
+    # that ties with the leader but not beyond the default's spread is not shown to gain anything.
+    beating = [c for c in tied if beats(c, default_in) is not None]
+    if beating:
+        pick = smallest(beating)
+        return Verdict(stage, pick, None, kind=BETTER, leader=leader, tied=tied,
+                       reasons=[f"{pick.label} beats the default: {beats(pick, default_in)}"])
     # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
+    pick = smallest(tied)
     return Verdict(stage, pick, None, kind=SMALLEST_CHANGE, leader=leader, tied=tied,
                    reasons=["the default misses the SLOs on average, but no config beats it beyond the spread; "
                             f"{pick.label} is the smallest change among the {len(tied)} tied at the top"])
