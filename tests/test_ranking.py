@@ -291,6 +291,11 @@ def test_a_level_config_runs_live_by_its_headroom_in_the_slos():
     assert [c.params for c in candidates] == [DEFAULT, fp8]  # 0.875 keeps 90 % of trial 2's 0.9 over 0.5
     assert "trial 3 runs live though the simulator scores it level with the default" in notes[-1]
     assert "headroom 0.88 against the default's 0.50" in notes[-1]
+    # Ranked first in the default's group, it still runs once, beside the default.
+    reordered = [trials[3], trials[1], trials[0], trials[2]]
+    candidates, _ = live_candidates(reordered, 2, DEFAULT)
+    assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 3", fp8),
+                                                         ("trial 0", level_block)]
     # It comes before a result the simulator scores below the default; the next slot goes to that one.
     worse = dict(DEFAULT, block_size=128)
     trials.append(_level_trial(4, worse, 8.0, 1.5))

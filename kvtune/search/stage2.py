@@ -98,14 +98,15 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     Running two of one result live spends the budget on one answer, so the trial with the fewest
     changes from the default stands for its result. Notes say which were left out."""
     groups = _results(ranked)
-    with_default = next((g for g in groups if any(t.params == dflt for t in g)), [])
+    with_default = _default_result(groups, dflt)
     lead = headroom_lead(with_default, dflt)
+    lead_entry = [lead] if lead is not None else None  # its own entry: it may head the default's group too
     after = groups.index(with_default) + 1 if with_default else len(groups)
     picked, notes = [], []
-    for twins in groups[:after] + ([[lead]] if lead is not None else []) + groups[after:]:
+    for twins in groups[:after] + ([lead_entry] if lead_entry else []) + groups[after:]:
         if sum(t.params != dflt for t in picked) == top_k:
             break
-        if twins[0] is lead:
+        if twins is lead_entry:
             picked.append(lead)
             notes.append(_lead_note(lead, with_default, dflt))
             continue
@@ -152,6 +153,11 @@ def _results(ranked: list) -> list[list]:
         else:
             group.append(trial)
     return groups
+
+
+def _default_result(groups: list[list], dflt: dict) -> list:
+    """The group of `_results` the default's trial is in; empty where stage 1 never ran the default."""
+    return next((g for g in groups if any(t.params == dflt for t in g)), [])
 
 
 def headroom(trial) -> float | None:
@@ -214,7 +220,7 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
     (every knob would go back: the sim tells those configs apart in nothing). Notes say what was
     dropped; the new trials join the study and its ranking."""
     notes = []
-    with_default = next((g for g in _results(ranked) if any(t.params == dflt for t in g)), [])
+    with_default = _default_result(_results(ranked), dflt)
     for cand in live_candidates(ranked, top_k, dflt)[0]:
         leader = next((t for t in ranked if t.number == cand.number), None)
         if leader is None or cand.label == "default" or len(leader.values) != 1:
