@@ -1,6 +1,7 @@
 """Faults of a KV pool too small for what it is asked to hold: F1, F6, F8."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,7 +156,6 @@ def context_overcommit(f: RunFacts) -> Diagnosis | None:
 
 
 DEMAND_QUANTILE = 99
-DEMAND_DRAWS = 2000
 
 
 @dataclass
@@ -166,21 +166,51 @@ class Demand:
 
 
 def kv_demand(f: RunFacts) -> Demand | None:
-    """The p99 of the KV held by L requests in service at once, each at its full context, L from
-    Little's law (concurrency_needed) and the contexts drawn from the run's own completed requests:
-    one distribution for both, so a rare long request counts as often as it arrives, not once per
-    running request. Without records (a watched server) it is L × the mean context."""
-    need = concurrency_needed(f)
-    concurrency = need.needed if need is not None else int(f.series.peak("num_running") or 0)
+    """The p99 over the run's time of the K/V that the requests in service at once hold at their full
+    context (prompt + output), from the run's own records: each request counts from when it was
+    scheduled (else its first token) to its last token. A request in service at a random moment is
+    picked in proportion to how long it stays, so the long requests that hold the most K/V also stay
+    the longest; Little's law with one mean service time and contexts drawn per arrival misses that
+    and put a saturated, preempting pool under its own demand. Shared prefixes count once per request.
+    Without records (a watched server) it is the p99 context × the p99 over time of running requests."""
+    spans = [(r.arrival_s + (r.queue_s if r.queue_s is not None else r.ttft_s), r.arrival_s + r.e2e_s,
+              r.prompt_tokens + r.output_tokens) for r in f.requests if r.e2e_s is not None]
+    if len(spans) >= f.th.min_requests:
+        held, running = _in_service(np.array(spans, dtype=float))
+        return Demand(held, running, f"p{DEMAND_QUANTILE} over time of the full contexts of the requests in "
+                                     "service at once (the run's records)")
+    running = f.series.get("num_running")
+    if running is None or f.contexts is None:
+        return None
+    concurrency = int(math.ceil(_time_quantile(running, f.series.duration, DEMAND_QUANTILE)))
     if not concurrency:
         return None
-    lengths = np.array([r.prompt_tokens + r.output_tokens for r in f.requests], dtype=float)
-    what = f"{concurrency} in service at once" + (f" ({need.text})" if need is not None else " (peak running)")
-    if len(lengths) < f.th.min_requests:
-        return Demand(f.contexts.mean * concurrency, concurrency, f"mean context × {what}")
-    draws = np.random.default_rng(0).choice(lengths, (DEMAND_DRAWS, concurrency)).sum(axis=1)
-    return Demand(float(np.percentile(draws, DEMAND_QUANTILE)), concurrency,
-                  f"p{DEMAND_QUANTILE} of the summed contexts of {what}")
+    return Demand(f.contexts.p99 * concurrency, concurrency,
+                  f"p99 context × {concurrency} running (p{DEMAND_QUANTILE} over time of the server's gauge)")
+
+
+def _in_service(spans: np.ndarray) -> tuple[float, int]:
+    """(p99 over time of the summed contexts in service, p99 over time of the requests in service) for
+    rows of (start, end, context): a step function from the starts and ends."""
+    starts, ends, contexts = spans[:, 0], np.maximum(spans[:, 1], spans[:, 0]), spans[:, 2]
+    times = np.concatenate([starts, ends])
+    order = np.argsort(times, kind="stable")
+    held = np.cumsum(np.concatenate([contexts, -contexts])[order])
+    count = np.cumsum(np.concatenate([np.ones_like(contexts), -np.ones_like(contexts)])[order])
+    lasting = np.diff(times[order], append=times[order][-1])
+    return (_time_quantile(held, lasting, DEMAND_QUANTILE),
+            int(round(_time_quantile(count, lasting, DEMAND_QUANTILE))))
+
+
+def _time_quantile(values: np.ndarray, durations: np.ndarray, q: float) -> float:
+    """The value that the series stays at or under for q % of its time (NaN samples carry no weight)."""
+    keep = np.isfinite(values) & (durations > 0)
+    if not keep.any():
+        return float(np.nanmax(values)) if np.isfinite(values).any() else 0.0
+    values, durations = values[keep], durations[keep]
+    order = np.argsort(values, kind="stable")
+    covered = np.cumsum(durations[order])
+    return float(values[order][np.searchsorted(covered, q / 100 * covered[-1])])
 
 
 def _overcommit_severity(f: RunFacts, preemptions: float, ttft: float | None) -> str:
