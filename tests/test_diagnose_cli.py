@@ -117,7 +117,7 @@ def wait_for_preemptions(url: str, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.slow
-def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(capsys):
+def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(db, capsys):
     """12 clients against a 100-block pool on the bundled engine (sim executor, wall clock)."""
     server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
                            "--num-gpu-blocks-override", "100", "--max-model-len", "1024")
@@ -125,7 +125,7 @@ def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(capsys)
     try:
         threads = send_traffic(server.url, 12, stop)
         wait_for_preemptions(server.url)  # watch the steady state, not the ramp-up
-        assert kvtune_diagnose("--url", server.url, "--duration", "3", "--interval", "0.5", "--json") == 0
+        assert kvtune_diagnose("--url", server.url, "--duration", "3", "--interval", "0.5", "--db", db, "--json") == 0
     finally:
         stop.set()
         for t in threads:
@@ -174,3 +174,47 @@ def test_nvml_samples_line_up_with_the_scrapes():
     assert series["gpu_utilization"] == [None, 50.0, 90.0, 90.0]  # the latest sample at or before each scrape
     assert series["gpu_memory_used"] == [None, 10 << 30, 20 << 30, 20 << 30]
     assert series["gpu_memory_total"][-1] == 80 << 30
+
+
+@pytest.mark.slow
+def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
+    """Issue #39: `kvtune run` said no faults while `diagnose --url` on the same server said F6, on
+    a usage peak sampled at 89.7 % in one and 94.9 % in the other. Here `kvtune diagnose --url` is
+    started before `kvtune run` replays a trace against the same server and stopped (Ctrl-C) after
+    it; the watch's idle minutes around the traffic, its other scrape phase and its missing client
+    records must not change which faults it finds."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
+
+    trace = tmp_path / "trace.jsonl"
+    write_workload(synthesize(SynthSpec(num_requests=120, rate=20, input_len=IntDist.fixed(150),
+                                        output_len=IntDist.fixed(64), seed=3)), trace)
+    db = f"sqlite:///{tmp_path / 'runs.db'}"
+    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
+                           "--num-gpu-blocks-override", "100", "--max-model-len", "1024")
+    kvtune = [sys.executable, "-m", "kvtune"]
+    watcher = subprocess.Popen([*kvtune, "diagnose", "--url", server.url, "--duration", "120", "--interval", "0.5",
+                                "--db", db, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)  # the watch sees the server idle first
+        run = subprocess.run([*kvtune, "run", "--target", server.url, "--workload", str(trace), "--db", db,
+                              "--scrape-interval", "0.25", "--json"], capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr
+        time.sleep(2)
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        server.stop()
+    assert watcher.returncode == 0, err
+    ran = set(json.loads(run.stdout.strip().splitlines()[-1])["faults"])
+    watched = json.loads(out.strip().splitlines()[-1])
+    assert "F6" in ran, run.stdout
+    assert {d["id"] for d in watched["diagnoses"]} == ran, (run.stdout, out)
+    stored = Store(db).get_run(watched["run_id"])  # the watch is a run the UI lists
+    assert stored.target == "watch"
+    assert {d.fault_id for d in Store(db).load_diagnoses(watched["run_id"])} == ran

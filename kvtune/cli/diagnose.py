@@ -143,7 +143,13 @@ def _diagnose_live(args, thresholds: Thresholds) -> int:
     diagnoses = diagnosed(result, thresholds, None,
                           why_none="a watched server gives no requests to replay (`kvtune run` then "
                                    "`kvtune diagnose --run ID` tries each fix in the simulator)")
-    _print(result, label, diagnoses, thresholds, args.json, {"url": args.url, "prometheus": args.prometheus}, None)
+    # Stored as a run of the watch target, so the UI's runs page and `diagnose --run` find it again.
+    store = Store(resolve_db_url(args.db))
+    run_id = store.save_run(result, label=f"watch of {args.url}")
+    store.save_diagnoses(run_id, diagnoses)
+    _print(result, label, diagnoses, thresholds, args.json, {"url": args.url, "prometheus": args.prometheus,
+                                                             "run_id": run_id},
+           f"the watch and its diagnoses stored as run {run_id} in {store.display_url}")
     return 0
 
 

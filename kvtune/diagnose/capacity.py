@@ -9,6 +9,7 @@ import numpy as np
 from .facts import RunFacts
 from .fixes import (cap_max_num_seqs, concurrency_needed, fp8_gain_of, lower_max_model_len, more_kv_room,
                     fp8_kv, on_cpu, seqs_that_fit)
+from .signals import time_quantile
 from .model import Diagnosis, Evidence, FlagChange, fixes
 
 
@@ -48,56 +49,77 @@ def head_of_line_blocking(f: RunFacts) -> Diagnosis | None:
 def preemption_thrash(f: RunFacts) -> Diagnosis | None:
     """F6: preemptions over the run with the pool full: too many running sequences for it.
 
-    Judged on the server's counts: vllm:num_preemptions_total, and where the server has it
-    vllm:request_num_preemptions (how many finished requests were preempted at least once). A live
-    run's clients cannot see preemptions, so their records (always 0) never lower the severity.
-    Either the preemptions are spread over the run's windows with the pool near its limit, or the
-    server's histogram says they reached at least preempted_share_critical of the requests: vLLM
-    preempts only when no block is free, so that is thrash however bursty, and whatever the
-    scrapes of kv_cache_usage_perc happened to catch between preemptions.
+    Judged on the server's counters, never on a sampled gauge: vllm:num_preemptions_total, and
+    where the server has it vllm:request_num_preemptions (how many finished requests were preempted
+    at least once). vLLM preempts only when no block is free, so a preemption is itself the proof
+    that the pool ran out; kv_cache_usage_perc, one instant per scrape, read 89.7 % in one watch
+    and 94.9 % in another of the same traffic, so it is shown, not compared. It fires where the
+    preemptions are spread over the run's windows, or reach preempted_share_critical of the
+    requests however bursty. A live run's clients cannot see preemptions, so their records
+    (always 0) never lower the severity.
     """
     s, b, th = f.series, f.bins, f.th
     preemptions = s.total("num_preemptions")
     if not preemptions or preemptions < th.min_preemptions or b is None:
         return None
-    preempting = b.preemptions > 0
-    sustained = preempting.sum() / len(b)
-    usage_peak = s.peak("kv_usage") or 0.0
+    sustained = float((b.preemptions > 0).sum() / len(b))
     preempted = f.preempted()
     share = preempted.share if preempted is not None else None
-    server_says = preempted is not None and preempted.from_server and share is not None \
-        and share >= th.preempted_share_critical
-    # A preemption is itself the proof that the pool ran out (vLLM preempts only when it
-    # cannot allocate a block), and it frees the victim's blocks at once: on a small pool
-    # scrapes between preemptions read 5-15% below full. So "near the limit", not "full".
-    spread = sustained >= th.preempting_fraction and usage_peak >= th.usage_high
-    if not (spread or server_says):
+    spread = sustained >= th.preempting_fraction
+    if not (spread or (share is not None and share >= th.preempted_share_critical)):
         return None
     evidence = [
         Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
         Evidence("windows with preemptions", f"{len(b)} windows of {b.length:.1f} s", round(sustained, 3),
-                 f">= {th.preempting_fraction:g} of the windows"),
-        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_high:g}"),
+                 f">= {th.preempting_fraction:g} of the windows, or the share preempted below"),
+        _usage_evidence(f),
         _running_evidence(f),
     ]
-    if share is not None:
-        evidence.append(Evidence(f"requests preempted at least once ({preempted.source})",
-                                 f"{preempted.text} finished requests", round(share, 3),
-                                 f"critical at >= {th.preempted_share_critical:g}"
-                                 + ("" if spread else "; fires alone from the server's histogram")))
-        if preempted.per_request is not None:
-            evidence.append(Evidence(f"preemptions per request (mean, {preempted.source})", s.whole(),
-                                     round(preempted.per_request, 2), "0 when the pool holds them all"))
-    # Preemptions in a good share of the windows with the pool at its limit is thrash whatever
-    # share of requests the histogram caught; a low share alone is a burst.
-    critical = spread or share is None or share >= th.preempted_share_critical
+    if preempted is not None and preempted.per_request is not None:
+        evidence.append(Evidence(f"preemptions per request (mean, {preempted.source})", s.whole(),
+                                 round(preempted.per_request, 2), "0 when the pool holds them all"))
+    severity, why = pressure_severity(f, preemptions)
     return Diagnosis(
-        "F6", "critical" if critical else "warning",
+        "F6", severity,
         "preemptions climb and the waiting queue is long",
-        evidence,
+        evidence + why,
         "too many running sequences for the KV pool: as their outputs grow they run out of blocks "
         "and the newest are preempted and recomputed",
         fixes(cap_max_num_seqs(f), *more_kv_room(f), _cap_max_tokens(f)))
+
+
+def _usage_evidence(f: RunFacts) -> Evidence:
+    """The pool's usage, for the reader: the level it held for the busiest 5 % of the run's time."""
+    s = f.series
+    busy = s.time_quantile("kv_usage", 95)
+    return Evidence("vllm:kv_cache_usage_perc, p95 over time", s.whole(), None if busy is None else round(busy, 3),
+                    "shown, not compared: a preemption proves the pool ran out of free blocks")
+
+
+def pressure_severity(f: RunFacts, preemptions: float) -> tuple[str, list[Evidence]]:
+    """Critical only where it hurts, and the evidence that says so: TTFT p95 over its SLO, or
+    preemptions reaching preempted_share_critical of the requests (the server's histogram, else the
+    records, else preemptions per finished request as the most it can be). F6 and F8 both."""
+    th, s = f.th, f.series
+    found, critical = [], False
+    ttft, ttft_name = f.ttft_p95()
+    if ttft is not None:
+        critical = ttft > th.ttft_p95_slo_s
+        found.append(Evidence(ttft_name, s.whole(), round(ttft, 3), f"critical > {th.ttft_p95_slo_s:g} s (SLO)"))
+    preempted = f.preempted()
+    finished = len(f.requests) or s.total("requests_finished") or 0
+    if preempted is not None and preempted.share is not None:
+        name, window, share = (f"requests preempted at least once ({preempted.source})",
+                               f"{preempted.text} finished requests", preempted.share)
+    elif finished:
+        name, window, share = ("preemptions per finished request (at most the share preempted)",
+                               f"{int(preemptions)} over {int(finished)}", preemptions / finished)
+    else:
+        share = None
+    if share is not None:
+        critical = critical or share >= th.preempted_share_critical
+        found.append(Evidence(name, window, round(share, 3), f"critical at >= {th.preempted_share_critical:g}"))
+    return ("critical" if critical else "warning"), found
 
 
 def _running_evidence(f: RunFacts) -> Evidence:
@@ -128,9 +150,8 @@ def context_overcommit(f: RunFacts) -> Diagnosis | None:
         return None
     demand = kv_demand(f)
     preemptions = s.total("num_preemptions") or 0
-    usage_peak = s.peak("kv_usage") or 0.0
-    if demand is None or demand.tokens <= f.pool.tokens or preemptions < th.min_preemptions \
-            or usage_peak < th.usage_saturated:
+    # The preemptions prove the pool ran out (see preemption_thrash); the demand says why.
+    if demand is None or demand.tokens <= f.pool.tokens or preemptions < th.min_preemptions:
         return None
     c = f.contexts
     at_mean = c.mean * demand.concurrency
@@ -142,15 +163,13 @@ def context_overcommit(f: RunFacts) -> Diagnosis | None:
         Evidence(f"p99 context ({c.source})", s.whole(), round(c.p99), f"mean {c.mean:,.0f}"),
         Evidence(f"mean context × {demand.concurrency} concurrent (tokens)", s.whole(), int(at_mean), mean_note),
         Evidence("vllm:num_preemptions_total", s.whole(), int(preemptions), f">= {th.min_preemptions}"),
-        Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3), f">= {th.usage_saturated:g}"),
+        _usage_evidence(f),
     ]
-    ttft, ttft_name = f.ttft_p95()
-    if ttft is not None:
-        evidence.append(Evidence(ttft_name, s.whole(), round(ttft, 3), f"critical > {th.ttft_p95_slo_s:g} s (SLO)"))
+    severity, why = pressure_severity(f, preemptions)
     return Diagnosis(
-        "F8", _overcommit_severity(f, preemptions, ttft),
+        "F8", severity,
         "KV memory exhausted under high concurrency with long contexts",
-        evidence,
+        evidence + why,
         "KV demand is concurrency × context: the contexts of the requests in service at once exceed the pool",
         fixes(*more_kv_room(f), _tensor_parallel(f, demand.tokens), cap_max_num_seqs(f)))
 
@@ -179,10 +198,10 @@ def kv_demand(f: RunFacts) -> Demand | None:
         held, running = _in_service(np.array(spans, dtype=float))
         return Demand(held, running, f"p{DEMAND_QUANTILE} over time of the full contexts of the requests in "
                                      "service at once (the run's records)")
-    running = f.series.get("num_running")
-    if running is None or f.contexts is None:
+    running = f.series.time_quantile("num_running", DEMAND_QUANTILE)
+    if not running or f.contexts is None:
         return None
-    concurrency = int(math.ceil(_time_quantile(running, f.series.duration, DEMAND_QUANTILE)))
+    concurrency = int(math.ceil(running))
     if not concurrency:
         return None
     return Demand(f.contexts.p99 * concurrency, concurrency,
@@ -198,32 +217,8 @@ def _in_service(spans: np.ndarray) -> tuple[float, int]:
     held = np.cumsum(np.concatenate([contexts, -contexts])[order])
     count = np.cumsum(np.concatenate([np.ones_like(contexts), -np.ones_like(contexts)])[order])
     lasting = np.diff(times[order], append=times[order][-1])
-    return (_time_quantile(held, lasting, DEMAND_QUANTILE),
-            int(round(_time_quantile(count, lasting, DEMAND_QUANTILE))))
-
-
-def _time_quantile(values: np.ndarray, durations: np.ndarray, q: float) -> float:
-    """The value that the series stays at or under for q % of its time (NaN samples carry no weight)."""
-    keep = np.isfinite(values) & (durations > 0)
-    if not keep.any():
-        return float(np.nanmax(values)) if np.isfinite(values).any() else 0.0
-    values, durations = values[keep], durations[keep]
-    order = np.argsort(values, kind="stable")
-    covered = np.cumsum(durations[order])
-    return float(values[order][np.searchsorted(covered, q / 100 * covered[-1])])
-
-
-def _overcommit_severity(f: RunFacts, preemptions: float, ttft: float | None) -> str:
-    """Critical only where it hurts: TTFT over its SLO, or preemptions reaching a good share of the
-    requests (the server's histogram, else preemptions per finished request)."""
-    th = f.th
-    if ttft is not None and ttft > th.ttft_p95_slo_s:
-        return "critical"
-    share = f.preempted_share()
-    finished = len(f.requests) or f.series.total("requests_finished") or 0
-    if share is None and finished:
-        share = preemptions / finished
-    return "critical" if share is not None and share >= th.preempted_share_critical else "warning"
+    return (time_quantile(held, lasting, DEMAND_QUANTILE),
+            int(round(time_quantile(count, lasting, DEMAND_QUANTILE))))
 
 
 def _tensor_parallel(f: RunFacts, demand: float) -> FlagChange | None:

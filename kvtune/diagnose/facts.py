@@ -123,7 +123,7 @@ class Preempted:
 
 
 def gather(result: RunResult, th: Thresholds) -> RunFacts:
-    series = Series(result.series)
+    series = Series(result.series).busy()
     pool = pool_of(result)
     requests = completed(result.requests)
     contexts = contexts_from_requests(requests, th.min_requests) or contexts_from_profile(result.workload)

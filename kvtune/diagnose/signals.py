@@ -29,6 +29,26 @@ class Series:
     def __len__(self) -> int:
         return len(self.time)
 
+    def busy(self) -> "Series":
+        """The samples from the first with a request running or waiting to the one after the last:
+        a watch that began before the traffic, or ran on after it, reads the same windows and shares
+        of time as a run of that traffic alone."""
+        running, waiting = self.get("num_running"), self.get("num_waiting")
+        if running is None:
+            return self
+        active = np.nan_to_num(running) > 0
+        if waiting is not None:
+            active |= np.nan_to_num(waiting) > 0
+        if not active.any():
+            return self
+        n = len(self)
+        first, last_active = int(np.argmax(active)), n - 1 - int(np.argmax(active[::-1]))
+        last = min(last_active + 1, n - 1)  # its counters hold the last requests' finish
+        if first == 0 and last == n - 1:
+            return self
+        return Series({k: (v[first:last + 1] if isinstance(v, list) and len(v) == n else v)
+                       for k, v in self._raw.items()})
+
     @property
     def span_s(self) -> float:
         return self.end - self.start
@@ -62,6 +82,11 @@ class Series:
             return None
         return float(np.nansum(values * self.duration) / self.span_s)
 
+    def time_quantile(self, name: str, q: float) -> float | None:
+        """The level a gauge stays at or under for q % of the sampled time (None without it)."""
+        values = self.get(name)
+        return None if values is None else time_quantile(values, self.duration, q)
+
     def fraction_of_time(self, mask: np.ndarray) -> float:
         """Share of the run's time covered by the samples where `mask` holds."""
         if self.span_s <= 0:
@@ -74,6 +99,18 @@ class Series:
 
     def window(self, first: int, last: int) -> str:
         return f"{self.time[first] - self.duration[first]:.1f}–{self.time[last]:.1f} s"
+
+
+def time_quantile(values: np.ndarray, durations: np.ndarray, q: float) -> float:
+    """The value that a step series stays at or under for q % of its time (NaN samples carry no
+    weight); the highest value where no sample has a duration."""
+    keep = np.isfinite(values) & (durations > 0)
+    if not keep.any():
+        return float(np.nanmax(values)) if np.isfinite(values).any() else 0.0
+    values, durations = values[keep], durations[keep]
+    order = np.argsort(values, kind="stable")
+    covered = np.cumsum(durations[order])
+    return float(values[order][np.searchsorted(covered, q / 100 * covered[-1])])
 
 
 @dataclass

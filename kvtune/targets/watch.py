@@ -77,7 +77,7 @@ def result_from_scrape(log: ScrapeLog, url: str) -> RunResult:
     snapshot = log.snapshots[-1] if log.snapshots else None
     model = (snapshot.model_name if snapshot else None) or url
     span = series["time"][-1] if series["time"] else 0.0
-    result = RunResult(target="url", model=model, device="unknown",
+    result = RunResult(target="watch", model=model, device="unknown",
                        config=config_from_cache_info(log),
                        workload=profile_from_histograms(log, url), requests=[], series=series, duration_s=span)
     result.summary = server_figures(log)
