@@ -88,7 +88,6 @@ class Early:
 
 
 TINY_POOL_TEST = "test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6"
-REFUSED_TEST = "test_a_refused_block_size_is_diagnosed_by_its_cause"
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +102,6 @@ def early(request, checkpoint, shared_prefix_trace, tmp_path_factory):
             runs.start("tiny", "run", "--target", "vllm", "--model", checkpoint, "--workload", str(trace),
                        "--block-size", "32", "--num-gpu-blocks-override", "64", "--max-model-len", MAX_MODEL_LEN,
                        *server_flags(), "--db", f"sqlite:///{runs.folder}/tiny.db", "--json")
-        if REFUSED_TEST in wanted:
-            runs.start("refused", "run", "--target", "vllm", "--model", checkpoint, "--workload",
-                       shared_prefix_trace[0], "--block-size", "16", "--max-model-len", MAX_MODEL_LEN,
-                       *server_flags(), "--db", f"sqlite:///{runs.folder}/refused.db")
         yield runs
     finally:
         runs.stop()
@@ -208,19 +203,6 @@ def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(early):
     assert "F6" in found and found["F6"]["severity"] in ("warning", "critical"), found
     run = Store(db).load_run(s["run_id"])
     assert run.config["num_gpu_blocks"] == 64 and run.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def test_a_refused_block_size_is_diagnosed_by_its_cause(early):
-    db = f"sqlite:///{early.folder}/refused.db"
-    p = early.result("refused")
-    assert p.returncode == 1
-    assert "No common block size for 16" in p.stderr, p.stderr
-    assert "full log:" in p.stderr
-    (run,) = Store(db).list_runs()
-    d = kvtune("diagnose", "--run", str(run.id), "--db", db, "--json")
-    ids = [x["id"] for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]]
-    assert "F5" not in ids, d.stdout
-    assert "--block-size" in d.stdout and "128" in d.stdout
 
 
 def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, early, tmp_path):

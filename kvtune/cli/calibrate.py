@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -17,7 +18,7 @@ from .commands import COMMANDS
 from .args import add_db_argument
 from ..store import Store, resolve_db_url
 from ..targets import TargetStartError
-from .target import add_server_flags, live_target
+from .target import add_server_flags, live_target, refuse_unservable
 from .args import name_or_url, positive_float, positive_int
 from ..calibrate.probes import (
     CalibrationError,
@@ -108,15 +109,21 @@ def cmd_calibrate(args) -> int:
         raise ConfigError(f"--quantized-kv {args.quantized_kv} times a quantized cache against the server's "
                           f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
     name = args.name or default_name(args.target, args.executor, preset, device)
+    url = args.target.startswith(("http://", "https://"))
+    server = None if url else _server_target(args, config, preset, device)
+    if server is not None:  # what its rules refuse fails before any start, and before the store
+        refuse_unservable(server, config)
+        if args.quantized_kv:
+            refuse_unservable(server, dataclasses.replace(config, kv_cache_dtype=args.quantized_kv),
+                              f"--quantized-kv {args.quantized_kv}")
     store = None if args.no_save else Store(resolve_db_url(args.db))  # a bad --db fails before any probe
     options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
     plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
     try:
-        if args.target.startswith(("http://", "https://")):
+        if url:
             profile = calibrate_url(args.target, preset, device, config, name, options=options, target="url",
                                     progress=_progress, **plan_args)
         else:
-            server = _server_target(args, config, preset, device)
             profile = calibrate_target(server, config, preset, device, name, options=options,
                                        cost_profile=args.cost_profile, quantized_kv=args.quantized_kv,
                                        progress=_progress, **plan_args)

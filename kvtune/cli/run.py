@@ -16,7 +16,7 @@ from ..diagnose.trial import Simulator, diagnosed, simulator_for
 from ..results import RunResult
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
-from .target import add_server_flags, live_target
+from .target import add_server_flags, live_target, refuse_unservable
 from ..stopping import failure_reason
 from ..targets.sim import config_dict
 from ..workload import FORMATS, head, rate_scale, read_workload
@@ -87,6 +87,7 @@ def cmd_run(args) -> int:
         config.resolve(target.model, target.device)  # bad flags fail before any work
     else:
         config.validate()
+        refuse_unservable(target, config)  # what the server's rules refuse: before it starts or is stored
     store = Store(db_url)
     url_target = isinstance(target, UrlTarget)
     run_id = store.start_run(target.name, model_label or args.target, device or "unknown",

@@ -7,6 +7,9 @@ each and the three never drift apart.
 from __future__ import annotations
 
 import argparse
+import os
+
+from kvengine.config import ConfigError, EngineConfig
 
 from ..targets.live import LiveOptions
 from ..targets.servers import VLLM_COMMAND_ENV, EngineTarget, SglangTarget, UrlTarget, VllmTarget
@@ -40,8 +43,10 @@ def add_server_flags(p, users_default: int = 256) -> None:
                         "part of what was measured and of the report's launch command")
     g.add_argument("--start-timeout", type=positive_float, default=600.0, metavar="S",
                    help="how long a started server may take to become healthy (default: %(default)s)")
-    g.add_argument("--server-log-dir", metavar="DIR", help="keep started servers' logs here (default: a new "
-                                                           "temporary folder, printed on a failed start)")
+    g.add_argument("--server-log-dir", metavar="DIR",
+                   help="keep started servers' logs here, one file per start (server-NNNN-SERVER-CONFIG.log, "
+                        "in start order); made if missing (default: a new temporary folder per start, printed "
+                        "on a failed start)")
     g = p.add_argument_group("live runs")
     g.add_argument("--users", type=positive_int, default=users_default,
                    help="most requests in flight (default: %(default)s)")
@@ -58,11 +63,39 @@ def live_options(args, device: str | None) -> LiveOptions:
                        drain_timeout_s=args.drain_timeout, device=device or "unknown")
 
 
+def server_log_dir(path: str | None) -> str | None:
+    """--server-log-dir, made if missing (as any output folder), as an absolute path: a start error
+    recorded in the store names its log wherever it is read. A folder that cannot be made or written
+    is refused here, before any server starts."""
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--server-log-dir {path}: cannot make the folder: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--server-log-dir {path}: the folder is not writable")
+    return os.path.abspath(path)
+
+
+def refuse_unservable(target, config: EngineConfig, flag: str | None = None) -> None:
+    """ConfigError, before any server starts or anything is stored, for a config that the target's own
+    rules (the ones a search narrows its space by) say its server refuses: the server would only say
+    the same once started (CPU vLLM after its whole start-up). `flag`: the flag that asked for the
+    config, where it is not the one the rule names (--quantized-kv)."""
+    refusal = getattr(target, "refusal", None)  # a server kvtune starts; a URL's is not ours to check
+    why = refusal(config) if refusal is not None else None
+    if why:
+        raise ConfigError(f"{flag + ': ' if flag else ''}{why}; nothing was started")
+
+
 def live_target(kind: str, args, preset: str | None, device: str | None):
     """The engine, vllm or sglang target (or a URL's) that the flags describe."""
     options = live_options(args, device)
+    if kind not in ("engine", "vllm", "sglang"):
+        return UrlTarget(kind, options)
     common = dict(options=options, start_timeout_s=args.start_timeout, env=dict(args.server_env),
-                  log_dir=args.server_log_dir)
+                  log_dir=server_log_dir(args.server_log_dir))
     if kind == "engine":
         memory = getattr(args, "device_memory", None)
         return EngineTarget(**common, executor=args.executor, preset=preset, device=device,
@@ -76,7 +109,5 @@ def live_target(kind: str, args, preset: str | None, device: str | None):
         if device is None and vllm.resolved_platform == "cpu":
             options.device = "cpu"  # what the runs are labelled with
         return vllm
-    if kind == "sglang":
-        return SglangTarget(**common, model=args.model or "", python=args.sglang_python,
-                            extra_args=args.server_args)
-    return UrlTarget(kind, options)
+    return SglangTarget(**common, model=args.model or "", python=args.sglang_python,
+                        extra_args=args.server_args)

@@ -2,11 +2,14 @@
 
 A failed start raises TargetStartError whose message leads with the line of the
 server's log that says why (startlog.root_cause), then the log's last lines,
-then `full log: PATH`; the log is never deleted.
+then `full log: PATH`; the log is never deleted. Each start writes a log of its
+own (`new_log`), so a folder that several starts share keeps every one.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,12 +22,40 @@ from .base import TargetRunError, TargetStartError
 from .startlog import log_tail, read_log, root_cause
 
 START_TAIL_LINES = 10  # log lines a start error quotes after its root cause
+LOG_NUMBER = re.compile(r"^server-(\d+)[-.]")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def new_log(log_dir: str, label: str = "") -> str:
+    """A new, empty log file for one server start in `log_dir` (made if missing):
+    `server-NNNN-LABEL.log`, NNNN one more than the highest number in the folder, so the names
+    sort in start order. The number is taken under a lock on the folder and the file created
+    exclusively: kvtune processes that share the folder never take one number or write one file."""
+    label = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._-")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        folder = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as err:
+        raise TargetStartError(f"cannot keep the server's log in {log_dir}: {err.strerror or err}") from err
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)  # released when the folder is closed
+        while True:
+            taken = (int(m.group(1)) for name in os.listdir(log_dir) if (m := LOG_NUMBER.match(name)))
+            path = os.path.join(log_dir, f"server-{max(taken, default=0) + 1:04d}{'-' * bool(label)}{label}.log")
+            try:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                return path
+            except FileExistsError:  # made by a writer that takes no lock
+                continue
+    except OSError as err:
+        raise TargetStartError(f"cannot write the server's log in {log_dir}: {err.strerror or err}") from err
+    finally:
+        os.close(folder)
 
 
 def start_error(what: str, log_path: str) -> TargetStartError:
@@ -41,16 +72,20 @@ def start_error(what: str, log_path: str) -> TargetStartError:
 
 
 class ManagedServer:
-    """Runs `command` (which must bind 127.0.0.1:`port`) and waits for GET /health."""
+    """Runs `command` (which must bind 127.0.0.1:`port`) and waits for GET /health.
+    Each start logs to a new file in `log_dir` (default: a new temporary folder), named
+    with `log_label` (what was started: the server and its config); `log_path` is that file
+    once started."""
 
     def __init__(self, command: list[str], port: int, start_timeout_s: float = 600.0,
-                 env: dict | None = None, log_dir: str | None = None):
+                 env: dict | None = None, log_dir: str | None = None, log_label: str = ""):
         self.command = command
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.start_timeout_s = start_timeout_s
-        log_dir = log_dir or tempfile.mkdtemp(prefix="kvtune-server-")
-        self.log_path = os.path.join(log_dir, "server.log")
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtune-server-")
+        self.log_label = log_label
+        self.log_path: str | None = None
         self._env = dict(os.environ, **(env or {}))
         self.proc: subprocess.Popen | None = None
 
@@ -66,6 +101,7 @@ class ManagedServer:
         self.stop()
 
     def start(self) -> None:
+        self.log_path = new_log(self.log_dir, self.log_label)
         log = open(self.log_path, "w")
         try:
             # Its own process group, so that we stop all it spawns, but our session: Linux's autogroup

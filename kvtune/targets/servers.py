@@ -6,6 +6,7 @@ itself (Locust replay + /metrics scrape -> RunResult) is `live.run_live`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shlex
 import sys
@@ -43,6 +44,18 @@ def default_vllm_command() -> str:
     return "vllm"
 
 
+def config_label(config: EngineConfig) -> str:
+    """The config in a few words for a log's name: `block32-mem0.9-seqs128-fp8` (the searched
+    knobs; a knob left to the server is left out, as are auto and the defaults of the others)."""
+    parts = [f"block{config.block_size}" if config.block_size else "", f"mem{config.gpu_memory_utilization:g}",
+             f"seqs{config.max_num_seqs}" if config.max_num_seqs else "",
+             "" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+             f"tokens{config.max_num_batched_tokens}" if config.max_num_batched_tokens else "",
+             f"blocks{config.num_gpu_blocks_override}" if config.num_gpu_blocks_override else "",
+             "" if config.enable_prefix_caching else "noprefix"]
+    return "-".join(p for p in parts if p)
+
+
 @dataclass
 class _ServerTarget(ABC):
     options: LiveOptions = field(default_factory=LiveOptions)
@@ -61,12 +74,21 @@ class _ServerTarget(ABC):
         """What this server accepts and defaults to."""
         raise NotImplementedError
 
+    def refusal(self, config: EngineConfig) -> str | None:
+        """Why this server would refuse `config` at start by its rules (those a search narrows its
+        space by), or None; a block size left open is the server's default. For a command to ask
+        before it starts anything: server() itself starts whatever it is given."""
+        if config.block_size is None:
+            config = dataclasses.replace(config, block_size=self.rules.block_size)
+        return self.rules.refusal(config)
+
     def server(self, config: EngineConfig) -> ManagedServer:
         """The managed process that serves `config` (started by entering it). The server, not
         our rules, decides what it accepts: a refusal comes back as its own start error."""
         port = free_port()
         return ManagedServer(self.command(config, port), port, self.start_timeout_s,
-                             env={"OMP_NUM_THREADS": "1", **self.env}, log_dir=self.log_dir)
+                             env={"OMP_NUM_THREADS": "1", **self.env}, log_dir=self.log_dir,
+                             log_label=f"{self.name}-{config_label(config)}")
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
         with self._serving(config) as server:
