@@ -43,6 +43,7 @@ def test_stats_json_is_the_last_line(capsys):
         assert key in stats
     assert set(stats["input_len"]) == {"p50", "p95", "p99", "max", "mean"}
     assert "ideal prefix hit rate" in out and "requests" in out
+    assert stats["hash_block_size"] is None and "hash block size" not in out  # Azure has no hash ids
 
 
 def test_stats_block_size_changes_the_hit_rate(tmp_path, capsys):

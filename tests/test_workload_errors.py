@@ -3,6 +3,7 @@ skip_bad the bad records are skipped and counted instead."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,50 @@ def test_a_rejected_trace_creates_no_database(tmp_path, capsys, command):
     err = capsys.readouterr().err
     assert err.startswith(f'error: {path}:2: field "input_length"'), err
     assert not db.exists() and not list(tmp_path.glob("s.db*"))
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("name, text, line, problem", [
+    ("t.jsonl", jsonl(GOOD, nested(5000)), 2, "expected a JSON object, got JSON nested too deeply to read"),
+    ("t.jsonl", jsonl(GOOD, GOOD[:-1] + f', "x": {nested(100000)}}}'), 2, "nested too deeply to read"),
+    ("t.jsonl", jsonl(nested(5000)), 1, "JSON nested too deeply to read"),  # starts like ShareGPT's array
+    ("t.jsonl", jsonl(GOOD[:-1] + f', "x": {nested(5000)}}}'), 1,  # no record to tell the format by
+     "not a recognised trace: expected a JSON object, got JSON nested too deeply to read"),
+    ("s.json", '[\n{"id": "a", "conversations": []},\n' + nested(5000) + "\n]", 3, "JSON nested too deeply to read"),
+])
+def test_deeply_nested_json_is_a_bad_record_not_a_crash(tmp_path, name, text, line, problem):
+    path = write(tmp_path, name, text)
+    with pytest.raises(TraceError) as caught:
+        read_workload(path)
+    assert str(caught.value).startswith(f"{path}:{line}: ") and problem in str(caught.value)
+
+
+def test_nesting_the_decoder_just_takes_is_still_reported(tmp_path):
+    # Near the recursion limit a value decodes but cannot be encoded again for the message, deeper
+    # down the stack; where that window falls depends on the caller's stack, so sweep across it.
+    for depth in range(800, 1000, 4):
+        record = f'{{"timestamp": 0, "input_length": {nested(depth)}, "output_length": 2}}'
+        path = write(tmp_path, "t.jsonl", jsonl(GOOD, record))
+        with pytest.raises(TraceError, match=r"t\.jsonl:2: (field \"input_length\": )?expected"):
+            read_workload(path)
+
+
+def test_skip_bad_skips_a_deeply_nested_line(tmp_path):
+    path = write(tmp_path, "t.jsonl", jsonl(GOOD, nested(5000), GOOD))
+    with pytest.warns(TraceWarning, match=r"skipped 1 bad records \(first: .*t\.jsonl:2: .*nested too deeply"):
+        assert len(read_workload(path, skip_bad=True)) == 2
+
+
+@pytest.mark.parametrize("command", [["trace", "stats"], ["trace", "convert"]])
+def test_cli_reports_deep_nesting_and_writes_nothing(tmp_path, capsys, command):
+    from kvtune.cli import main
+    path = write(tmp_path, "deep.jsonl", jsonl(GOOD, nested(5000)))
+    out = tmp_path / "out.jsonl"
+    argv = [*command, str(path)] + ([str(out)] if command[1] == "convert" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}:2: expected a JSON object, got JSON nested too deeply"), err
+    assert "Traceback" not in err and sorted(os.listdir(tmp_path)) == ["deep.jsonl"]

@@ -210,6 +210,16 @@ def test_round_trip_keeps_a_fine_hash_block_size(tmp_path):
     assert_same_requests(w, again)
 
 
+def test_round_trip_keeps_the_block_size_behind_requests_without_hash_ids(tmp_path):
+    # only records with hash ids state their block size: the first such record sets the trace's
+    w = Workload([TraceRequest(0.0, 30, 2), TraceRequest(0.5, 60, 3, (7, 8, 9))], hash_block_size=26)
+    path = tmp_path / "scaled.jsonl"
+    write_workload(w, path)
+    again = read_workload(path)
+    assert again.hash_block_size == 26
+    assert_same_requests(w, again)
+
+
 def test_round_trip_keeps_exact_prompt_tokens(tmp_path):
     """A workload built with its tokens (a shared system prompt, say) replays live with those
     very tokens: the live run reads it back from the JSONL the sim's copy never went through."""

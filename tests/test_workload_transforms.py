@@ -12,11 +12,11 @@ from kvtune.workload import (
     count_tokens,
     head,
     length_scale,
-    prompt_token_ids,
     rate_scale,
     retime,
     sample,
     time_scale,
+    workload_prompt_token_ids,
 )
 
 
@@ -61,23 +61,52 @@ def test_length_scale_lengths_and_caps():
     assert [(r.input_length, r.output_length) for r in length_scale(w, 3)] == [(3000, 300), (3, 3)]
 
 
-def test_shrinking_keeps_the_leading_ids():
+def test_length_scale_scales_the_hash_blocks_with_the_lengths():
     w = Workload([TraceRequest(0.0, 2000, 5, (1, 2, 3, 4)), TraceRequest(0.0, 1100, 5, (1, 2, 9))])
     small = length_scale(w, 0.5)
-    assert [r.hash_ids for r in small] == [(1, 2), (1, 2)]
+    assert small.hash_block_size == 256
     assert [r.input_length for r in small] == [1000, 550]
-    # the shared tokens are still the original ones
-    assert prompt_token_ids(small.requests[1], 512) == prompt_token_ids(w.requests[1], 512)[:550]
-
-
-def test_growing_gives_fresh_ids_to_grown_blocks():
-    w = Workload([TraceRequest(0.0, 700, 5, (1, 2)), TraceRequest(0.0, 1024, 5, (1, 2))])
+    # each id still covers the same share of its prompt, so the ids stay as they were
+    assert [r.hash_ids for r in small] == [(1, 2, 3, 4), (1, 2, 9)]
     big = length_scale(w, 2.0)
-    first, second = (r.hash_ids for r in big)
-    assert len(first) == math.ceil(1400 / 512) and len(second) == 4
-    assert first[0] == 1 and first[1] not in (1, 2)       # the partial block 2 grew: fresh
-    assert second[:2] == (1, 2) and set(second[2:]).isdisjoint({1, 2} | set(first))
-    assert len(set(first) | set(second)) == len(first) + len(second) - 1
+    assert big.hash_block_size == 1024 and [r.hash_ids for r in big] == [r.hash_ids for r in w]
+    assert length_scale(w, 1.0, max_input=600).hash_block_size == 512
+    assert length_scale(w, 0.0001).hash_block_size == 1
+
+
+def shared_tokens(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def shared_ids(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return shared_tokens(list(a), list(b))
+
+
+@pytest.mark.parametrize("factor", [0.05, 0.1, 0.25, 3.0])
+def test_scaled_prompts_share_exactly_the_blocks_their_ids_share(factor):
+    w = Workload([TraceRequest(0.0, 5000, 5, tuple(range(10))),
+                  TraceRequest(1.0, 3000, 5, (0, 1, 2, 3, 20, 21)),
+                  TraceRequest(2.0, 5120, 5, tuple(range(10))),      # ten full blocks
+                  TraceRequest(3.0, 5120, 5, tuple(range(10))),
+                  TraceRequest(4.0, 700, 5, (0, 30))])
+    scaled = length_scale(w, factor)
+    size = scaled.hash_block_size
+    prompts = list(workload_prompt_token_ids(scaled))
+    for i, a in enumerate(scaled.requests):
+        assert len(a.hash_ids) == math.ceil(a.input_length / size)
+        for j, b in enumerate(scaled.requests[:i]):
+            common = shared_ids(a.hash_ids, b.hash_ids)
+            expected = min(common * size, a.input_length, b.input_length)
+            assert shared_tokens(prompts[i], prompts[j]) == expected, (factor, i, j)
+
+
+def test_tokens_past_the_last_id_share_what_that_id_shares():
+    # 51-token blocks (512 * 0.1 rounded down) hold 510 of the 512 tokens ten full blocks scale to
+    w = Workload([TraceRequest(0.0, 5120, 5, tuple(range(10))), TraceRequest(1.0, 5120, 5, tuple(range(10))),
+                  TraceRequest(2.0, 5120, 5, tuple(range(9)) + (99,))])
+    first, again, other = (r.hash_ids for r in length_scale(w, 0.1))
+    assert len(first) == 11 and first[:10] == tuple(range(10)) and first[10] > 99
+    assert again == first and other[10] not in first
 
 
 def test_length_scale_cuts_byte_counted_prompts():

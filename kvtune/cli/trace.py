@@ -103,7 +103,9 @@ def _add_convert(commands) -> None:
                         help="keep a random N requests, or a fraction F in (0, 1] (e.g. 0.1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for --sample and --retime-rate (default: 0)")
     parser.add_argument("--length-scale", type=positive_float, metavar="X",
-                        help="multiply input and output lengths by X")
+                        help="multiply input and output lengths by X, and the trace's hash block size "
+                             "with them (a 512-token block at 0.25 is a 128-token one), so prompts share "
+                             "what they shared")
     parser.add_argument("--max-input", type=positive_int, metavar="N", help="cap input lengths at N tokens")
     parser.add_argument("--max-output", type=positive_int, metavar="N", help="cap output lengths at N tokens")
     parser.add_argument("--retime-rate", type=positive_float, metavar="R",
@@ -261,6 +263,8 @@ def format_stats(stats: dict) -> str:
     ]
     if stats["sessions"]:
         rows.append(f"sessions               {stats['sessions']}")
+    if stats["hash_block_size"] is not None:
+        rows.append(f"hash block size        {stats['hash_block_size']} tokens per hash id")
     rows += [
         f"distinct prefix blocks {stats['distinct_prefix_blocks']} (block size {stats['block_size']})",
         f"ideal prefix hit rate  {100 * stats['ideal_prefix_hit_rate']:.1f} % of "

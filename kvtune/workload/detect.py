@@ -1,9 +1,8 @@
 """Which trace format a file holds, judged from its content, not its name."""
 from __future__ import annotations
 
-import json
-
-from .errors import TraceError
+from .errors import RecordError, TraceError
+from .jsonl import json_object
 
 FORMATS = ("kvtune", "mooncake", "azure", "burstgpt", "sharegpt", "vllm-custom")
 TIMED_FORMATS = ("kvtune", "mooncake", "azure", "burstgpt")
@@ -35,17 +34,23 @@ def detect_format(text: str, path: str) -> str:
 def _jsonl_format(text: str, path: str, first_line: int) -> str:
     """Judged by the first record that parses, so one corrupt line (which
     skip_bad may skip) does not hide the format."""
+    first_problem = None
     for line in text.split("\n", _LOOK_AHEAD)[:_LOOK_AHEAD]:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+        if not line.strip():
             continue
-        if isinstance(record, dict):
-            if "timestamp" in record or "input_length" in record:
-                return "kvtune"
-            if "prompt" in record and "output_tokens" in record:
-                return "vllm-custom"
-            break
+        try:
+            record = json_object(line)
+        except RecordError as err:
+            first_problem = first_problem or err.problem
+            continue
+        if "timestamp" in record or "input_length" in record:
+            return "kvtune"
+        if "prompt" in record and "output_tokens" in record:
+            return "vllm-custom"
+        break
+    else:
+        if first_problem:  # no line read as a JSON object: say why the first one did not
+            raise TraceError(path, first_line, f"not a recognised trace: {first_problem}")
     raise TraceError(path, first_line, f"not a recognised trace (expected {_KNOWN}); the first record "
                                        "is not a JSON object with timestamp/input_length or "
                                        "prompt/output_tokens")

@@ -52,4 +52,7 @@ def describe(value: object, limit: int = 40) -> str:
         text = json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError):
         text = repr(value)
+    except RecursionError:
+        # JSON the decoder just managed can be too deep to encode again from further down the stack.
+        return "a value nested too deeply to show"
     return text if len(text) <= limit else text[: limit - 3] + "..."

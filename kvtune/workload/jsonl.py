@@ -6,6 +6,9 @@ from collections.abc import Iterator
 
 from .errors import RecordError
 
+# Python's decoder recurses once per level of nesting: a line of thousands of "[" exhausts its stack.
+TOO_DEEP = "JSON nested too deeply to read"
+
 
 def numbered_lines(text: str) -> Iterator[tuple[int, str]]:
     """Non-blank lines with their 1-based line numbers.
@@ -19,10 +22,13 @@ def numbered_lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 def json_object(line: str) -> dict:
+    """The line's JSON object; anything else, unreadable JSON included, is a RecordError."""
     try:
         value = json.loads(line)
     except json.JSONDecodeError as err:
         raise RecordError(None, "a JSON object", raw=f"invalid JSON ({err.msg} at column {err.colno})") from None
+    except RecursionError:
+        raise RecordError(None, "a JSON object", raw=TOO_DEEP) from None
     if not isinstance(value, dict):
         raise RecordError(None, "a JSON object", value)
     return value

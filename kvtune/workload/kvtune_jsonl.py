@@ -4,12 +4,10 @@ Fields: `timestamp` (ms from the start), `input_length`, `output_length`, and
 optionally `hash_ids`, `prompt`, `session_id`, `prompt_token_ids` (the exact
 tokens, input_length of them: a workload built with them replays live with the
 very tokens the sim was given). kvtune also writes `hash_block_size` on every
-record when it is not Mooncake's 512, so a trace with finer blocks reads back
-without being told its block size.
+record with hash ids when it is not Mooncake's 512, so a trace with finer (or
+length-scaled) blocks reads back without being told its block size.
 """
 from __future__ import annotations
-
-import json
 
 from . import fields
 from .context import ReadContext, finish
@@ -19,18 +17,18 @@ from .model import DEFAULT_HASH_BLOCK_SIZE, TraceRequest, Workload
 
 
 def read_kvtune_jsonl(text: str, ctx: ReadContext, hash_block_size: int | None) -> Workload:
-    lines = list(numbered_lines(text))
-    size = hash_block_size or _stated_block_size(lines) or DEFAULT_HASH_BLOCK_SIZE
+    size = hash_block_size  # None until a record with hash ids settles it
     requests = []
-    for line, raw in lines:
-        request = ctx.parse(line, parse_line, raw, size)
+    for line, raw in numbered_lines(text):
+        record = ctx.parse(line, json_object, raw)
+        if record is None:
+            continue
+        if size is None and ("hash_ids" in record or "hash_block_size" in record):
+            size = _stated_block_size(record)
+        request = ctx.parse(line, parse_record, record, size or DEFAULT_HASH_BLOCK_SIZE)
         if request is not None:
             requests.append(request)
-    return finish(requests, ctx, size)
-
-
-def parse_line(line: str, hash_block_size: int) -> TraceRequest:
-    return parse_record(json_object(line), hash_block_size)
+    return finish(requests, ctx, size or DEFAULT_HASH_BLOCK_SIZE)
 
 
 def parse_record(record: dict, hash_block_size: int) -> TraceRequest:
@@ -78,13 +76,10 @@ def _check_block_size(record: dict, hash_block_size: int) -> None:
             raise RecordError("hash_block_size", f"{hash_block_size}, the trace's hash block size", stated)
 
 
-def _stated_block_size(lines: list[tuple[int, str]]) -> int | None:
-    """The block size the first record carries, if it says."""
-    for _, raw in lines[:1]:
-        try:
-            value = json.loads(raw).get("hash_block_size")
-        except (json.JSONDecodeError, AttributeError):
-            return None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
+def _stated_block_size(record: dict) -> int:
+    """The block size a record states, else Mooncake's: the first record with hash ids sets the trace's
+    (records before it have no blocks to size; a bad value is reported by _check_block_size)."""
+    value = record.get("hash_block_size")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return DEFAULT_HASH_BLOCK_SIZE

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from . import fields
 from .context import ReadContext, finish
 from .errors import RecordError, describe
+from .jsonl import TOO_DEEP
 from .model import TraceRequest, Workload
 from .tokens import count_tokens
 
@@ -113,6 +114,8 @@ def array_items(text: str, ctx: ReadContext) -> Iterator[tuple[int, object]]:
             item, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise ctx.error(err.lineno, f"invalid JSON ({err.msg} at column {err.colno})") from None
+        except RecursionError:
+            raise ctx.error(start, TOO_DEEP) from None
         yield start, item
         pos = _skip_space(text, pos)
         if text.startswith(",", pos):

@@ -218,6 +218,8 @@ def workload_stats(workload: Workload, block_size: int = 16) -> dict:
         "output_tokens": int(outputs.sum()),
         "sessions": len({r.session_id for r in requests if r.session_id is not None}),
         "block_size": block_size,
+        # tokens per hash id the prompts were made with; None when no request has hash ids
+        "hash_block_size": workload.hash_block_size if any(r.hash_ids for r in requests) else None,
         "distinct_prefix_blocks": reuse.distinct_blocks,
         "ideal_cached_tokens": reuse.cached_tokens,
         "ideal_prefix_hit_rate": reuse.hit_rate,

@@ -1,15 +1,15 @@
 """Transforms every workload accepts; each returns a new Workload.
 
 time_scale and rate_scale stretch or squeeze arrival times; length_scale
-shrinks or grows prompts and outputs (to fit a small engine) while keeping
-the prefix structure honest; head and sample select requests; retime replaces
-the arrival times with a fresh gamma process.
+shrinks or grows prompts and outputs (to fit a small engine), and their hash
+blocks with them so that the prefix sharing stays the trace's; head and sample
+select requests; retime replaces the arrival times with a fresh gamma process.
 """
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections import defaultdict
 from dataclasses import replace
 
 import numpy as np
@@ -67,31 +67,37 @@ def length_scale(workload: Workload, factor: float, max_input: int | None = None
                  max_output: int | None = None) -> Workload:
     """Input and output lengths times `factor` (rounded, at least 1), then capped.
 
-    Prefix structure: a shrunk prompt keeps its leading hash ids (a cut block
-    is a prefix of the original block, so sharing stays true). A grown prompt
-    keeps its full blocks; its partial last block and the new ones get fresh
-    ids, as their content is no longer the original block's. Prompt text is cut
-    with the prompt where the bundled tokenizer counted it, and dropped where
-    the prompt grows or the text was counted by another tokenizer.
+    Prefix structure: the hash block size is scaled too (rounded, at least 1),
+    so each hash id still covers the same share of its prompt and requests
+    share the same share of their tokens as before. Keeping the blocks would
+    make it up: every prompt shrunk into its first block would share all of it
+    with every other prompt that starts with that block. A prompt keeps its
+    leading ids, as many as cover its new length; where the rounding of the
+    block size leaves it a few tokens past its last id, they get an id of their
+    own, the same for every prompt that ends with that id (what they stand for
+    is the rest of that block). Prompt text and explicit token ids are cut
+    with the prompt (text only where the bundled tokenizer counted it) and
+    dropped where the prompt grows.
     """
     _check_factor(factor, "length scale")
     for cap, name in ((max_input, "max_input"), (max_output, "max_output")):
         if cap is not None and cap < 1:
             raise ValueError(f"{name} must be >= 1, got {cap}")
-    fresh_ids = itertools.count(_max_hash_id(workload) + 1)
+    block_size = _scaled(workload.hash_block_size, factor, None)
+    tail_ids = defaultdict(itertools.count(_max_hash_id(workload) + 1).__next__)
     requests = [
         _scale_request(r, _scaled(r.input_length, factor, max_input),
-                       _scaled(r.output_length, factor, max_output), workload.hash_block_size, fresh_ids)
+                       _scaled(r.output_length, factor, max_output), block_size, tail_ids)
         for r in workload.requests
     ]
-    return workload.with_requests(requests)
+    return Workload(requests, block_size, workload.source, workload.skipped, workload.failed)
 
 
 def _scale_request(req: TraceRequest, input_length: int, output_length: int, hash_block_size: int,
-                   fresh_ids: Iterator[int]) -> TraceRequest:
+                   tail_ids: defaultdict[tuple[int, int], int]) -> TraceRequest:
     prompt, input_length = _cut_prompt(req, input_length)
     hash_ids = None if req.hash_ids is None else _rebuilt_hash_ids(
-        req.hash_ids, req.input_length, input_length, hash_block_size, fresh_ids)
+        req.hash_ids, input_length, hash_block_size, tail_ids)
     token_ids = req.prompt_token_ids
     if token_ids is not None:
         token_ids = token_ids[:input_length] if input_length <= len(token_ids) else None
@@ -111,13 +117,13 @@ def _cut_prompt(req: TraceRequest, input_length: int) -> tuple[str | None, int]:
     return (cut, count_tokens(cut)) if cut else (None, input_length)
 
 
-def _rebuilt_hash_ids(ids: tuple[int, ...], old_length: int, new_length: int, hash_block_size: int,
-                      fresh_ids: Iterator[int]) -> tuple[int, ...]:
-    count = blocks_for(new_length, hash_block_size)
-    if new_length <= old_length:
-        return ids[:count]
-    kept = ids[: old_length // hash_block_size]
-    return kept + tuple(itertools.islice(fresh_ids, count - len(kept)))
+def _rebuilt_hash_ids(ids: tuple[int, ...], input_length: int, hash_block_size: int,
+                      tail_ids: defaultdict[tuple[int, int], int]) -> tuple[int, ...]:
+    """The ids covering `input_length` tokens in blocks of the scaled size; past the last one, the
+    ids `tail_ids` keeps for that id's k-th extra block."""
+    count = blocks_for(input_length, hash_block_size)
+    extra = tuple(tail_ids[ids[-1], k] for k in range(count - len(ids)))
+    return ids[:count] + extra
 
 
 def _scaled(length: int, factor: float, cap: int | None) -> int:
