@@ -180,7 +180,7 @@ def test_f2_itl_grows_with_context():
     trend = evidence(f2, "ITL p95 (clients) by context quartile")
     low, high = (float(v.removesuffix(" ms")) for v in trend.value.split(" → "))
     assert high / low >= 1.5
-    assert evidence(f2, "vllm:kv_cache_usage_perc peak").value >= 0.5
+    assert evidence(f2, "vllm:kv_cache_usage_perc, p95 over time").value >= 0.5
     assert f2.fix.startswith("`--kv-cache-dtype auto → fp8`")
     assert "F3" not in found  # running stays at 96: it is context, not load, that slows the decode
 

@@ -2,17 +2,19 @@
 watched over its /metrics, and the exit codes on bad input."""
 import argparse
 import json
-import threading
+import signal
+import subprocess
+import sys
 import time
 
-import httpx
 import pytest
-from serverproc import ServerProcess, free_port, scrape
+from serverproc import ServerProcess, free_port
 from test_diagnose import failed_start, healthy_run, preemption_run
 
 from kvengine.config import EngineConfig
 from kvtune.cli.diagnose import add_diagnose_command
 from kvtune.store import Store
+from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
 
 
 def kvtune_diagnose(*argv) -> int:
@@ -91,66 +93,6 @@ def test_thresholds_from_the_command_line_change_the_verdict(db, capsys):
     assert "F6" not in [d["id"] for d in last_json(capsys)["diagnoses"]]
 
 
-def send_traffic(url: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
-    """`clients` loops of distinct 150-token prompts asking for 64 tokens each."""
-    def loop(client: int):
-        with httpx.Client(base_url=url, timeout=30) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            i = 0
-            while not stop.is_set():
-                prompt = [1000 + (client * 7919 + i * 131 + k * 7) % 28000 for k in range(150)]
-                http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 64})
-                i += 1
-    threads = [threading.Thread(target=loop, args=(c,), daemon=True) for c in range(clients)]
-    for t in threads:
-        t.start()
-    return threads
-
-
-def wait_for_preemptions(url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if scrape(url).get("vllm:num_preemptions_total", 0) > 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no preemptions on {url} within {timeout_s} s")
-
-
-@pytest.mark.slow
-def test_watching_a_live_engine_finds_preemptions_from_its_metrics_alone(db, capsys):
-    """12 clients against a 100-block pool on the bundled engine (sim executor, wall clock)."""
-    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
-                           "--num-gpu-blocks-override", "100", "--max-model-len", "1024")
-    stop = threading.Event()
-    try:
-        threads = send_traffic(server.url, 12, stop)
-        wait_for_preemptions(server.url)  # watch the steady state, not the ramp-up
-        assert kvtune_diagnose("--url", server.url, "--duration", "3", "--interval", "0.5", "--db", db, "--json") == 0
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        server.stop()
-    out = capsys.readouterr().out
-    assert "the server's vllm:cache_config_info" in out  # the pool size came from the server itself
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["url"] == server.url
-    f6 = next((d for d in report["diagnoses"] if d["id"] == "F6"), None)
-    assert f6 is not None, out
-    preemptions = next(e for e in f6["evidence"] if e["metric"] == "vllm:num_preemptions_total")
-    assert preemptions["value"] >= 5
-    # A live server's clients cannot see preemptions: their records (all 0) are never evidence, and
-    # never lower the severity of preemptions spread over the windows (issue #24: "0.0", a warning).
-    shares = [e for e in f6["evidence"] if e["metric"].startswith("requests preempted at least once")]
-    assert all(e["value"] > 0 and "vllm:request_num_preemptions" in e["metric"] for e in shares), shares
-    spread = next(e for e in f6["evidence"] if e["metric"] == "windows with preemptions")["value"]
-    if spread >= 0.5:
-        assert f6["severity"] == "critical", f6
-    # 12 clients need more running than a 100-block pool holds: no max_num_seqs cap (it would
-    # starve them, issue #24), more pool instead
-    assert f6["fix"].startswith("`--kv-cache-dtype auto → fp8`") or "`--max-num-seqs current → " in f6["fix"]
-
-
 def test_kvtune_main_runs_diagnose_once_wired(db, capsys):
     from kvtune import cli
     parser = cli.build_parser()
@@ -183,12 +125,6 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
     started before `kvtune run` replays a trace against the same server and stopped (Ctrl-C) after
     it; the watch's idle minutes around the traffic, its other scrape phase and its missing client
     records must not change which faults it finds."""
-    import signal
-    import subprocess
-    import sys
-
-    from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
-
     trace = tmp_path / "trace.jsonl"
     write_workload(synthesize(SynthSpec(num_requests=120, rate=20, input_len=IntDist.fixed(150),
                                         output_len=IntDist.fixed(64), seed=3)), trace)
@@ -201,7 +137,8 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
     try:
         time.sleep(2)  # the watch sees the server idle first
         run = subprocess.run([*kvtune, "run", "--target", server.url, "--workload", str(trace), "--db", db,
-                              "--scrape-interval", "0.25", "--json"], capture_output=True, text=True, timeout=180)
+                              "--scrape-interval", "0.25", "--json"], capture_output=True, text=True, timeout=180,
+                             check=False)
         assert run.returncode == 0, run.stderr
         time.sleep(2)
         watcher.send_signal(signal.SIGINT)
@@ -215,6 +152,16 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
     watched = json.loads(out.strip().splitlines()[-1])
     assert "F6" in ran, run.stdout
     assert {d["id"] for d in watched["diagnoses"]} == ran, (run.stdout, out)
+    # From the server's metrics alone: the pool from its vllm:cache_config_info, preemptions from its
+    # counter, the share preempted from its histogram (its clients' records, all 0, are never evidence)
+    assert "the server's vllm:cache_config_info" in out
+    f6 = next(d for d in watched["diagnoses"] if d["id"] == "F6")
+    assert next(e for e in f6["evidence"] if e["metric"] == "vllm:num_preemptions_total")["value"] >= 5
+    shares = [e for e in f6["evidence"] if e["metric"].startswith("requests preempted at least once")]
+    assert all(e["value"] > 0 and "vllm:request_num_preemptions" in e["metric"] for e in shares), shares
+    # The arrivals need more running than a 100-block pool holds: no max_num_seqs cap (it would
+    # starve them, issue #24) but more pool, through the knob that sizes it here (the override)
+    assert f6["fix"].startswith("`--num-gpu-blocks-override 100 → "), f6["fix"]
     stored = Store(db).get_run(watched["run_id"])  # the watch is a run the UI lists
     assert stored.target == "watch"
     assert {d.fault_id for d in Store(db).load_diagnoses(watched["run_id"])} == ran

@@ -275,3 +275,20 @@ def test_a_cause_that_is_neither_memory_nor_a_refusal_cites_its_line(tmp_path):
     assert only.id == INSUFFICIENT_DATA
     assert evidence(only, "run error").value == "OSError: [Errno 98] Address already in use"
     assert evidence(only, "full log").value == str(path) and str(path) in only.fix
+
+
+def test_every_fix_printed_for_a_real_cpu_vllm_log_is_one_it_takes(tmp_path):
+    """vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE with int() and takes block sizes in multiples of 32;
+    under --num-gpu-blocks-override neither fp8, utilisation nor the variable grows the pool (issue #39)."""
+    from kvtune.diagnose import Thresholds
+    from kvtune.diagnose.trial import diagnosed
+
+    for name in (n for n in CASES if n.startswith("vllm-")):
+        config = CASES[name][2]
+        err = start_error("the server exited with status 1 before it was healthy", kept_copy(name, tmp_path))
+        [found] = diagnosed(failed_run(config), Thresholds(), None, error=str(err), why_none="no trace at hand")
+        for t in found.trials:
+            assert t.flag != "VLLM_CPU_KVCACHE_SPACE" or str(t.value).isdigit() and int(t.value) >= 1, (name, t)
+            assert t.flag != "--block-size" or t.value % 32 == 0, (name, t)
+            assert not config.get("num_gpu_blocks_override") or t.flag not in (
+                "--kv-cache-dtype", "--gpu-memory-utilization", "VLLM_CPU_KVCACHE_SPACE"), (name, t)

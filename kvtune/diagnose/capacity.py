@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .facts import RunFacts
-from .fixes import (cap_max_num_seqs, concurrency_needed, fp8_gain_of, lower_max_model_len, more_kv_room,
+from .fixes import (MAX_TOKENS, cap_max_num_seqs, concurrency_needed, fp8_gain_of, lower_max_model_len, more_kv_room,
                     fp8_kv, on_cpu, seqs_that_fit)
 from .signals import time_quantile
 from .model import Diagnosis, Evidence, FlagChange, fixes
@@ -135,12 +135,15 @@ def _running_evidence(f: RunFacts) -> Evidence:
     return Evidence("vllm:num_requests_running peak", s.whole(), int(peak), limit)
 
 
-def _cap_max_tokens(f: RunFacts) -> str | None:
+def _cap_max_tokens(f: RunFacts) -> FlagChange | None:
+    """The clients' max_tokens near the output p95, where a few outputs run far longer: a limit a
+    request can hit, so the trial counts what it truncates (fixes.refusal)."""
     outputs = f.result.workload.get("output_len") or {}
     p95, top = outputs.get("p95"), outputs.get("max")
     if not p95 or not top or top <= 1.5 * p95:
         return None
-    return f"cap the requests' `max_tokens` near the output p95 ({p95:,.0f} tokens; the longest asks {top:,})"
+    return FlagChange(MAX_TOKENS, None, int(math.ceil(p95)),
+                      f"the requests' own cap, near the output p95; the longest asks {top:,}")
 
 
 def context_overcommit(f: RunFacts) -> Diagnosis | None:

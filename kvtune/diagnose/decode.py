@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .facts import RunFacts
-from .fixes import at_least_needed, fp8_kv
+from .fixes import at_least_needed, fp8_bytes_text, fp8_kv
 from .latency import itl_by_context
 from .model import Diagnosis, Evidence, FlagChange, fixes
 from .signals import Bins, quartile_masks
@@ -83,8 +83,10 @@ def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
     """F2: ITL (its p95 or its median) rises with context while throughput stays flat and the pool is well used."""
     th, s = f.th, f.series
     trends = itl_trends(f)
-    usage_peak = s.peak("kv_usage") or 0.0
-    if not any(t.ratio >= th.itl_growth for t in trends) or usage_peak < th.usage_busy:
+    # The level held for the busiest 5 % of the run's time, not one scrape's instant (which a rerun
+    # or a second watcher reads differently)
+    usage_busy = s.time_quantile("kv_usage", 95) or 0.0
+    if not any(t.ratio >= th.itl_growth for t in trends) or usage_busy < th.usage_busy:
         return None
     throughput = throughput_by_context(f)
     if throughput is not None and throughput[1] > th.flat_throughput_gain * throughput[0]:
@@ -93,7 +95,7 @@ def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
                          f"grows >= {th.itl_growth:g}× as context goes {t.driver_low:,.0f} → "
                          f"{t.driver_high:,.0f} tokens" + ("" if t.ratio >= th.itl_growth else " (not this one)"))
                 for t in trends]
-    evidence.append(Evidence("vllm:kv_cache_usage_perc peak", s.whole(), round(usage_peak, 3),
+    evidence.append(Evidence("vllm:kv_cache_usage_perc, p95 over time", s.whole(), round(usage_busy, 3),
                              f">= {th.usage_busy:g}"))
     if throughput is not None:
         evidence.append(Evidence("generation tokens/s, short vs long context windows", s.whole(),
@@ -106,7 +108,7 @@ def bandwidth_bound_decode(f: RunFacts) -> Diagnosis | None:
         evidence,
         "decode is memory-bandwidth bound: every step reads all live K/V, so each token costs more as "
         "contexts grow",
-        fixes(fp8_kv(f, "halves the K/V bytes every decode step reads"), _halve_max_num_seqs(f),
+        fixes(fp8_kv(f, fp8_bytes_text(f.result)), _halve_max_num_seqs(f),
                    _chunked_prefill(f)))
 
 
@@ -179,7 +181,7 @@ def memory_bound_throughput(f: RunFacts) -> Diagnosis | None:
         _load_evidence(f, load, low, high) + saturated + _gpu_evidence(f),
         "memory-bound decode, not compute-bound: more running requests only add K/V to read per step",
         fixes(_knee_max_num_seqs(f, busy), "raise prefix reuse (shared, stable prompt prefixes)",
-                   fp8_kv(f, "halves the K/V bytes each step reads")))
+                   fp8_kv(f, fp8_bytes_text(f.result))))
 
 
 def typical_and_decode_peak(f: RunFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -22,8 +22,10 @@ from kvengine.config import ConfigError, GiB
 from kvengine.core.memory import KVCacheMemoryError, activation_peak_bytes, plan_memory
 
 from ..results import RunResult
+from ..targets.rules import OVERRIDE, UTILIZATION
 from ..targets.startlog import is_wrapper, read_log, root_cause
 from .facts import RunFacts
+from .fixes import CPU_KV_SPACE, fp8_bytes_text, limit_noted, pool_change, request_limit, rules_of
 from .model import Diagnosis, Evidence, FlagChange, Thresholds, fixes as options
 from ..targets.sim import engine_config
 from .pool import specs
@@ -91,7 +93,8 @@ def _out_of_memory(result: RunResult, error: str, cause_line: str, th: Threshold
         fixes = _pool_below_max_len_fixes(result, cause_line, th)
     elif "no available memory" in lowered:
         cause = "nothing is left for the KV pool after the weights, the activation peak and the overhead"
-        fixes = [_kvcache_space(log or error), _batched_tokens_that_start(result), _utilization_that_starts(result)]
+        fixes = [_kvcache_space(result, log or error), _batched_tokens_that_start(result),
+                 _utilization_that_starts(result)]
         if not any(fixes):
             fixes = [_halve_batched_tokens(result.config, th), _raise_utilization(result, th)]
         if not any(fixes):
@@ -156,7 +159,10 @@ def _starts(result: RunResult, **changes) -> bool:
 
 
 def _utilization_that_starts(result: RunResult) -> FlagChange | None:
-    """The smallest utilisation (in 0.01 steps) at which kvengine's memory plan starts."""
+    """The smallest utilisation (in 0.01 steps) at which kvengine's memory plan starts; none where
+    another knob sizes the pool (an override, VLLM_CPU_KVCACHE_SPACE)."""
+    if not rules_of(result).moves_pool(UTILIZATION):
+        return None
     current = engine_config(result.config).gpu_memory_utilization
     for hundredths in range(math.floor(current * 100) + 1, 99):
         if _starts(result, gpu_memory_utilization=hundredths / 100):
@@ -183,17 +189,42 @@ def _batched_tokens_that_start(result: RunResult) -> FlagChange | None:
 
 
 def _pool_below_max_len_fixes(result: RunResult, cause_line: str, th: Thresholds) -> list:
-    """A batch budget whose activation peak crowds out the pool is lowered first; a shorter max_model_len
-    comes first only where the workload's longest request still fits it, else last (it refuses requests)."""
+    """A batch budget whose activation peak crowds out the pool is lowered first; where a size fixes the
+    pool (an override, VLLM_CPU_KVCACHE_SPACE), that size grown to hold one max_model_len request; a
+    shorter max_model_len comes first only where the workload's longest request still fits it, else
+    last (it refuses requests)."""
     max_len = _max_len_from_hint(result, cause_line)
+    limit = request_limit(result.config, max_len) if max_len is not None else None
     longest = _longest_request(result)
-    refuses = max_len is not None and longest is not None and max_len.new < longest
+    refuses = limit is not None and longest is not None and limit[0] < longest
     batch = _batched_tokens_for_activations(result, th)
-    rest = [_utilization_that_starts(result), _fp8_that_starts(result)]
+    rest = [_pool_that_holds_max_len(result, cause_line), _utilization_that_starts(result), _fp8_that_starts(result)]
     if not refuses:
-        return [batch, max_len, *rest]
+        return [batch, max_len and limit_noted(result.config, max_len), *rest]
     max_len.effect += f"; it refuses the workload's longest requests ({longest:,} tokens)"
     return [batch, *rest, max_len]
+
+
+def _pool_that_holds_max_len(result: RunResult, cause_line: str) -> FlagChange | None:
+    """Where a size fixes the pool, that size grown until it holds one max_model_len request beside the
+    null block (vLLM's estimate of the longest request leaves that block out)."""
+    hint, asked = MAX_LEN_HINT.search(cause_line), MAX_LEN_ASKED.search(cause_line)
+    max_len = result.config.get("max_model_len") or (int(asked.group(1)) if asked else None)
+    rules = rules_of(result)
+    if rules.pool_knob == UTILIZATION or not max_len:
+        return None
+    block = engine_config(result.config).block_size
+    needed = math.ceil(max_len / block) + 1
+    if rules.pool_knob == OVERRIDE:
+        change = pool_change(result, needed / rules.pool_size, effect="")
+    elif hint:
+        change = pool_change(result, needed / (int(hint.group(1)) // block + 1), effect="")
+    else:
+        return None
+    if change is not None:
+        change.effect = (f"{needed:,} blocks of {block} hold one {max_len:,}-token request beside the null block"
+                         if change.flag == OVERRIDE else f"room for one {max_len:,}-token request")
+    return change
 
 
 def _longest_request(result: RunResult) -> int | None:
@@ -231,7 +262,10 @@ def _batched_tokens_for_activations(result: RunResult, th: Thresholds) -> FlagCh
 
 
 def _fp8_that_starts(result: RunResult) -> FlagChange | None:
-    """fp8 K/V, unless the run's presets show that even half the bytes per token do not start."""
+    """fp8 K/V, unless the run's presets show that even half the bytes per token do not start, or an
+    override fixes the block count (fp8 then holds no more tokens)."""
+    if not rules_of(result).moves_pool("--kv-cache-dtype"):
+        return None
     change = _fp8(result)
     if change is None or (specs(result) is not None and not _starts(result, kv_cache_dtype="fp8")):
         return None
@@ -246,22 +280,23 @@ def _max_len_from_hint(result: RunResult, error: str) -> FlagChange | None:
     target = int(match.group(1)) // block * block
     asked = MAX_LEN_ASKED.search(error)
     current = result.config.get("max_model_len") or (int(asked.group(1)) if asked else None)
-    return FlagChange("--max-model-len", current, target,
-                      "the longest request the available KV memory holds")
+    return FlagChange("--max-model-len", current, target, "the longest request the available KV memory holds")
 
 
-def _kvcache_space(log: str) -> FlagChange | None:
-    """vLLM CPU: VLLM_CPU_KVCACHE_SPACE=0 (the log's "Explicitly set (0.0/…) GiB for KV cache") leaves no pool."""
+def _kvcache_space(result: RunResult, log: str) -> FlagChange | None:
+    """vLLM CPU: VLLM_CPU_KVCACHE_SPACE=0 (the log's "Explicitly set (0.0/…) GiB for KV cache") leaves no
+    pool; the fix is the smallest value it takes (whole GiB); none where an override sizes the pool."""
     match = KVCACHE_SPACE_SET.search(log)
-    if not match or float(match.group(1)) > 0:
+    rules = rules_of(result)
+    if not match or float(match.group(1)) > 0 or not rules.moves_pool(CPU_KV_SPACE):
         return None
-    return FlagChange("VLLM_CPU_KVCACHE_SPACE", 0, 1,
-                      "vLLM's CPU backend sizes its KV pool in GiB from this variable: 0 leaves none")
+    return FlagChange(CPU_KV_SPACE, 0, rules.taken(CPU_KV_SPACE, 1),
+                      "vLLM's CPU backend sizes its KV pool in whole GiB from this variable: 0 leaves none")
 
 
 def _raise_utilization(result: RunResult, th: Thresholds) -> FlagChange | None:
     util = result.config.get("gpu_memory_utilization")
-    if not util or util >= th.max_suggested_utilization:
+    if not util or util >= th.max_suggested_utilization or not rules_of(result).moves_pool(UTILIZATION):
         return None
     return FlagChange("--gpu-memory-utilization", util, round(min(util + UTILIZATION_STEP,
                                                                    th.max_suggested_utilization), 2),
@@ -294,7 +329,9 @@ def _utilization_that_is_free(result: RunResult, line: str) -> FlagChange | None
 
 def _fp8(result: RunResult) -> FlagChange | None:
     dtype = result.config.get("kv_cache_dtype") or "auto"
-    return FlagChange("--kv-cache-dtype", dtype, "fp8", "half the K/V bytes per token") if dtype == "auto" else None
+    if dtype != "auto":
+        return None
+    return FlagChange("--kv-cache-dtype", dtype, "fp8", fp8_bytes_text(result, "the K/V bytes per token"))
 
 
 def _headroom_fixes(config: dict, th: Thresholds) -> list[FlagChange]:

@@ -11,6 +11,11 @@ GPUs, an action on the prompts) or does not show the fault at all, the fix says 
 A live server's pool is mirrored: the simulator gets the server's own block count
 (`num_gpu_blocks`), scaled by what each change does to it, so the trial holds what the
 server would hold whatever the simulator's device preset plans.
+
+Before anything is tried, every change is made one the run's server takes (fixes.admitted: the
+rules of kvtune.targets.rules), and a lowered limit a request can hit (--max-model-len, a batch
+budget without chunked prefill) is judged against the trace: one that would refuse requests the
+trace sends did not help, whatever the simulator says of the rest.
 """
 from __future__ import annotations
 
@@ -27,8 +32,9 @@ from ..results import RunResult
 from ..targets.base import TargetStartError
 from ..targets.sim import SimTarget, config_dict, engine_config
 from ..workload import Workload
-from .fixes import CPU_KV_SPACE
-from .model import HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds
+from .fixes import CPU_KV_SPACE, admitted, refusal, rules_of
+from .model import (HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds,
+                    join_fixes)
 from .pool import fp8_gain, replan, specs
 from .run import diagnose
 
@@ -50,9 +56,11 @@ NOT_SIMULATED = {"--tensor-parallel-size": "a change of hardware: the simulator 
 
 @dataclass
 class Simulator:
-    """The simulator the trials run on, the workload they replay, and what to call it."""
+    """The simulator the trials run on, the workload they replay, and what to call it. Without a
+    target (no simulator for the run's server) the workload still judges the limits a fix lowers,
+    and `label` says why nothing else is tried."""
 
-    target: SimTarget
+    target: SimTarget | None
     workload: Workload
     label: str
     runs: dict = field(default_factory=dict)  # config -> RunResult, or why it did not start
@@ -62,6 +70,11 @@ class Simulator:
     def of(cls, target: SimTarget, workload: Workload, profile: str | None = None) -> "Simulator":
         how = f"calibrated profile {profile!r}" if profile else "uncalibrated presets"
         return cls(target, workload, f"the simulator ({target.model.name} on {target.device.name}, {how})")
+
+    @property
+    def lengths(self) -> list[tuple[int, int]]:
+        """Each request's prompt and output tokens, as the trace sends them."""
+        return [(r.input_length, r.output_length) for r in self.workload.requests]
 
     def knows(self, result: RunResult) -> "Simulator":
         """A run this simulator already made of its workload: the baseline it would replay again."""
@@ -91,11 +104,13 @@ def _key(config: EngineConfig) -> str:
 
 
 def simulator_for(result: RunResult, workload: Workload) -> tuple[Simulator | None, str]:
-    """The simulator of the presets the run names, or why there is none (a served checkpoint)."""
+    """The simulator of the presets the run names; where there is none (a served checkpoint), the
+    workload alone, which still judges the limits a fix lowers, and why nothing else is tried."""
     found = specs(result)
     if found is None:
-        return None, (f"no simulator for this {result.target} server: pass --profile NAME (from `kvtune "
-                      "calibrate`) to `kvtune diagnose --run` to try the fixes")
+        why = (f"no simulator for this {result.target} server: pass --profile NAME (from `kvtune "
+               "calibrate`) to `kvtune diagnose --run` to try the fixes")
+        return Simulator(None, workload, why), why
     return Simulator.of(SimTarget(*found), workload), ""
 
 
@@ -109,23 +124,40 @@ def try_fixes(diagnoses: list[Diagnosis], result: RunResult, sim: Simulator | No
               slos=(), why_none: str = "no simulator for this server") -> list[Diagnosis]:
     """The diagnoses with every flag change tried; `slos` are objects with metric, percentile,
     threshold_s and request_value(record) (search.slo.SLO), TTFT p95 from `th` when none."""
+    lengths = sim.lengths if sim is not None else None
     for d in diagnoses:
+        if d.changes and d.id != INSUFFICIENT_DATA:
+            _admit(d, result, lengths)
         if d.changes and d.id != INSUFFICIENT_DATA:
             _try(d, result, sim, th, slos, why_none)
     return diagnoses
 
 
+def _admit(d: Diagnosis, result: RunResult, lengths: list[tuple[int, int]] | None) -> None:
+    """The diagnosis's options as its server takes them (fixes.admitted), each knob once."""
+    options, seen = [], set()
+    for option in d.options:
+        if isinstance(option, FlagChange):
+            option = admitted(result, option, lengths)
+            if option is None or (option.flag, str(option.new)) in seen:
+                continue
+            seen.add((option.flag, str(option.new)))
+        options.append(option)
+    d.options = options
+    d.fix = join_fixes(*options) or f"no flag change for {d.id} that {rules_of(result).server} takes"
+
+
 def _try(d: Diagnosis, result: RunResult, sim: Simulator | None, th: Thresholds, slos, why_none: str) -> None:
-    if sim is None:
-        return _untested(d, why_none)
+    if sim is None or sim.target is None:
+        return _untested(d, why_none if sim is None else sim.label, result, sim.lengths if sim is not None else None)
     try:
         base_config = mirrored_config(result)
     except (TypeError, ValueError) as err:
-        return _untested(d, f"the run's config is not one the simulator takes ({err})")
+        return _untested(d, f"the run's config is not one the simulator takes ({err})", result, sim.lengths)
     base = sim.run(base_config)
     shown = _shows(d.id, base, th, sim)
     if shown is not None:
-        return _untested(d, f"{sim.label} does not show {d.id} on this workload ({shown})")
+        return _untested(d, f"{sim.label} does not show {d.id} on this workload ({shown})", result, sim.lengths)
     for change in d.changes:
         d.trials.append(sized_trial(d.id, change, result, base_config, base, sim, th, slos))
     _rewrite(d, sim.label)
@@ -134,17 +166,19 @@ def _try(d: Diagnosis, result: RunResult, sim: Simulator | None, th: Thresholds,
 def sized_trial(fault: str, change: FlagChange, result: RunResult, base_config: EngineConfig,
                 base: RunResult | str, sim: Simulator, th: Thresholds, slos) -> FixTrial:
     """A pool-size knob that did not help at the size proposed is tried larger, up to GROWTHS[-1]
-    times the current size: the fix then names the smallest size that helped."""
+    times the current size, each size one the server takes (whole GiB for VLLM_CPU_KVCACHE_SPACE):
+    the fix then names the smallest size that helped."""
     first = trial(fault, change, result, base_config, base, sim, th, slos)
     if first.verdict != NO_HELP or change.flag not in SIZE_KNOBS or not first.after:
         return first
-    old = float(change.old)
+    old, rules, tried = float(change.old), rules_of(result), {float(change.new)}
     for growth in GROWTHS:
-        new = round(old * growth, 2) if change.flag == CPU_KV_SPACE else int(old * growth)
-        if new <= float(change.new):
+        new = rules.taken(change.flag, old * growth, up=True)
+        if new is None or float(new) <= float(change.new) or float(new) in tried:
             continue
-        bigger = FlagChange(change.flag, change.old, new if change.flag != CPU_KV_SPACE else f"{new:g}",
-                            f"{growth:g}× the pool: the smallest of {', '.join(f'{g:g}×' for g in GROWTHS)} "
+        tried.add(float(new))
+        bigger = FlagChange(change.flag, change.old, new,
+                            f"{float(new) / old:g}× the pool: the smallest of {', '.join(f'{g:g}×' for g in GROWTHS)} "
                             f"that removed {fault} in the simulator")
         attempt = trial(fault, bigger, result, base_config, base, sim, th, slos)
         if attempt.verdict == HELPED:
@@ -158,6 +192,9 @@ def trial(fault: str, change: FlagChange, result: RunResult, base_config: Engine
         return FixTrial(str(change), verdict, note, before, after or {}, change.flag, change.new)
 
     before = figures(base)
+    refused = refused_trial(result, change, sim.lengths)
+    if refused is not None:
+        return dataclasses.replace(refused, before=before)
     config = changed_config(result, base_config, change)
     if isinstance(config, str):
         return made(UNTESTED, config)
@@ -165,15 +202,25 @@ def trial(fault: str, change: FlagChange, result: RunResult, base_config: Engine
     if isinstance(fixed, str):
         return made(NO_HELP, f"the simulator would not start it: {fixed[:200]}")
     after = figures(fixed)
-    found = problems(fault, base, fixed, th, slos, sim)
+    found = problems(fault, base, fixed, th, slos, sim, base_config.max_model_len)
     note = "; ".join(found) if found else f"{fault} is gone"
     return made(NO_HELP if found else HELPED, f"{note} ({effect_text(before, after)})", after)
 
 
+def refused_trial(result: RunResult, change: FlagChange, lengths: list[tuple[int, int]] | None) -> FixTrial | None:
+    """A lowered limit (fixes.refusal) that refuses requests the trace sends: it did not help, whatever
+    the simulator would say of the rest; None for any other change, or without a trace."""
+    refused = refusal(result.config, change, lengths) if lengths is not None else None
+    if refused is None or not refused.over:
+        return None
+    return FixTrial(str(change), NO_HELP, refused.text, flag=change.flag, value=change.new)
+
+
 def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds, slos,
-             sim: Simulator | None = None) -> list[str]:
+             sim: Simulator | None = None, base_limit: int | None = None) -> list[str]:
     """What keeps `fixed` from counting as a fix of `fault` against `base` (none: it helped); `sim`
-    caches the diagnoses of its own runs."""
+    caches the diagnoses of its own runs; `base_limit` is the max_model_len of a baseline that did
+    not start, whose refusals the fix is not blamed for."""
     out = []
     if _shows(fault, fixed, th, sim) is None:
         out.append(f"{fault} still shows")
@@ -183,7 +230,7 @@ def problems(fault: str, base: RunResult | str, fixed: RunResult, th: Thresholds
         # Gone in the simulator at a full pool is gone by luck: a live server a little slower
         # holds more requests at once and preempts again.
         out.append(f"the pool still fills (usage peak {peak:.1%}): no headroom")
-    if after["rejected"] > before.get("rejected", too_long(base, fixed)):
+    if after["rejected"] > before.get("rejected", too_long(fixed, base_limit)):
         out.append(f"rejects {after['rejected']} of {after['requests']} requests")
     if isinstance(base, RunResult):
         out += [f"misses {slo_text(s)} that the run met" for s in _slos(slos, th)
@@ -217,9 +264,13 @@ def mirrored_config(result: RunResult) -> EngineConfig:
 def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) -> EngineConfig | str:
     """The config with `change` applied, or why the simulator cannot try it."""
     mirrored = bool(result.config.get("num_gpu_blocks")) and not result.config.get("num_gpu_blocks_override")
+    rules = rules_of(result)
+    if change.flag in SIZE_KNOBS and not rules.moves_pool(change.flag):
+        return f"{change.flag} does not size this server's pool: {rules.pool_knob} does"
     if change.flag == CPU_KV_SPACE:
-        if not mirrored:
-            return "the simulator sizes no pool from VLLM_CPU_KVCACHE_SPACE without the server's block count"
+        if base.num_gpu_blocks_override is None:
+            return ("the server reported no block count (vllm:cache_config_info num_gpu_blocks) for the "
+                    "simulator to scale by VLLM_CPU_KVCACHE_SPACE")
         return _scaled(base, float(change.new) / float(change.old))
     config = apply_change(base, change)
     if isinstance(config, str) or not mirrored:
@@ -266,9 +317,9 @@ def figures(run: RunResult | str) -> dict:
     return {k: s.get(k) for k in keys}
 
 
-def too_long(base: RunResult | str, fixed: RunResult) -> int:
-    """Where the baseline did not start, the requests any server at the asked limit would refuse."""
-    limit = fixed.config.get("max_model_len") if isinstance(base, str) else None
+def too_long(fixed: RunResult, limit: int | None) -> int:
+    """Where the baseline did not start, the requests its own max_model_len (`limit`) would have refused
+    too: never those a lowered limit refuses, which are the fix's doing."""
     return sum(r.finish_reason == "rejected" and r.prompt_tokens >= (limit or math.inf) for r in fixed.requests)
 
 
@@ -337,6 +388,19 @@ def _rewrite(d: Diagnosis, label: str) -> None:
     d.fix = "; or ".join(parts + actions)
 
 
-def _untested(d: Diagnosis, why: str) -> None:
-    d.trials = [FixTrial(str(c), UNTESTED, why, flag=c.flag, value=c.new) for c in d.changes]
-    d.fix = f"{d.fix} [untested: {why}]"
+def _untested(d: Diagnosis, why: str, result: RunResult | None = None,
+              lengths: list[tuple[int, int]] | None = None) -> None:
+    """Nothing simulated: a lowered limit that refuses requests of the trace (`lengths`) did not help;
+    the other changes are printed untested, saying why."""
+    d.trials, kept = [], []
+    for c in d.changes:
+        refused = refused_trial(result, c, lengths) if result is not None else None
+        d.trials.append(refused or FixTrial(str(c), UNTESTED, why, flag=c.flag, value=c.new))
+        if refused is None:
+            kept.append(c)
+    if len(kept) == len(d.changes):
+        d.fix = f"{d.fix} [untested: {why}]"
+        return
+    shown = join_fixes(*kept, *(o for o in d.options if isinstance(o, str)))
+    lead = f"no flag change of {d.id} fits the trace" if not shown else ""
+    d.fix = "; ".join(t for t in (lead, shown) if t) + f" [untested: {why}]"
