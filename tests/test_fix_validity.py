@@ -6,8 +6,10 @@ VLLM_CPU_KVCACHE_SPACE, its block sizes, the block count it reported). The faile
 simulator's own, and the real CPU vLLM log of tests/data/start-failures. The last test starts the
 real CPU vLLM (.venv-vllm) with each fix printed for that log.
 """
+import contextlib
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -249,6 +251,7 @@ def test_cpu_vllm_starts_with_each_printed_fix(tmp_path):
     fixes = printed([diagnosed_log(tmp_path)])
     assert 0 < len(fixes) <= 2  # each is one start of vLLM
     model = str(write_tiny_llama(tmp_path / "tiny-llama"))
+    servers = []
     for t in fixes:
         flags = {"--" + k.replace("_", "-"): str(v) for k, v in LOG_CONFIG.items()}
         env = dict(ENV)
@@ -256,8 +259,12 @@ def test_cpu_vllm_starts_with_each_printed_fix(tmp_path):
         port = free_port()
         argv = [*command.split(), "--model", model, "--host", "127.0.0.1", "--port", str(port),
                 *[w for kv in flags.items() for w in kv], *TEST_ARGS.split()]
-        logs = tmp_path / f"log-{port}"
-        logs.mkdir()
-        server = ManagedServer(argv, port, START_TIMEOUT_S, env=env, log_dir=str(logs))
-        with server:  # raises TargetStartError, with vLLM's root cause, if the fix does not start it
-            assert server.alive, t.change
+        servers.append(ManagedServer(argv, port, START_TIMEOUT_S, env=env, log_dir=str(tmp_path / "logs")))
+    # Started side by side (a vLLM start is one busy core): a start error, with vLLM's root cause,
+    # fails the test, and every server ends with it.
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(ManagedServer.start, servers))
+        assert all(server.alive for server in servers), [t.change for t in fixes]
