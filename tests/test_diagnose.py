@@ -556,6 +556,18 @@ def test_rules_read_per_scrape_series_like_per_step_ones(run, faults):
     assert faults <= set(fired(as_scrapes(run())))
 
 
+def test_the_busy_part_of_a_watch_keeps_every_count_and_drops_the_idle_scrapes():
+    """A watch reads idle scrapes around the traffic; a request that came and went between two scrapes
+    shows only in the counters of the scrape after it, which must stay (issue #39)."""
+    from kvtune.diagnose.signals import Series
+    series = {"time": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], "duration": [0.0] + [1.0] * 6,
+              "num_running": [0, 0, 0, 2, 0, 0, 0], "num_waiting": [0] * 7,
+              "prefix_queries": [0, 0, 64, 128, 32, 0, 0], "prefix_hits": [0, 0, 16, 64, 0, 0, 0]}
+    busy = Series(series).busy()
+    assert list(busy.time) == [3.0, 4.0, 5.0] and busy.span_s == 3.0
+    assert busy.total("prefix_queries") == 224 and busy.total("prefix_hits") == 80
+
+
 def test_a_healthy_run_seen_as_scrapes_fires_no_rule():
     assert fired(as_scrapes(healthy_run())) == {}
 

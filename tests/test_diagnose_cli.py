@@ -165,3 +165,6 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
     stored = Store(db).get_run(watched["run_id"])  # the watch is a run the UI lists
     assert stored.target == "watch"
     assert {d.fault_id for d in Store(db).load_diagnoses(watched["run_id"])} == ran
+    again = subprocess.run([*kvtune, "diagnose", "--run", str(watched["run_id"]), "--db", db, "--json"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert {d["id"] for d in json.loads(again.stdout.strip().splitlines()[-1])["diagnoses"]} == ran, again.stderr

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..scrape.log import SERIES_COUNTERS
+
 
 class Series:
     """Numpy views of RunResult.series; gauges that a scrape missed are NaN and carry no weight."""
@@ -30,20 +32,22 @@ class Series:
         return len(self.time)
 
     def busy(self) -> "Series":
-        """The samples from the first with a request running or waiting to the one after the last:
+        """The samples from the first busy one to the one after the last:
         a watch that began before the traffic, or ran on after it, reads the same windows and shares
         of time as a run of that traffic alone."""
-        running, waiting = self.get("num_running"), self.get("num_waiting")
-        if running is None:
+        if self.get("num_running") is None:
             return self
-        active = np.nan_to_num(running) > 0
-        if waiting is not None:
-            active |= np.nan_to_num(waiting) > 0
+        # Busy: a request running or waiting at the sample, or any work counted since the last one
+        # (a request may come and go between two scrapes: its counts must not be cut off)
+        active = np.zeros(len(self), dtype=bool)
+        for name in ("num_running", "num_waiting", *SERIES_COUNTERS, "num_tokens"):
+            values = self.get(name)
+            if values is not None:
+                active |= np.nan_to_num(values) > 0
         if not active.any():
             return self
         n = len(self)
-        first, last_active = int(np.argmax(active)), n - 1 - int(np.argmax(active[::-1]))
-        last = min(last_active + 1, n - 1)  # its counters hold the last requests' finish
+        first, last = int(np.argmax(active)), n - 1 - int(np.argmax(active[::-1]))
         if first == 0 and last == n - 1:
             return self
         return Series({k: (v[first:last + 1] if isinstance(v, list) and len(v) == n else v)
