@@ -80,10 +80,6 @@ class RunFacts:
         hit = sum(c > 0 for c in counts)
         return Preempted(hit, hit, len(counts), sum(counts) / len(counts), "requests' records")
 
-    def preempted_share(self) -> float | None:
-        p = self.preempted()
-        return p.share if p is not None else None
-
     def cached_tokens_per_request(self) -> tuple[float | None, str]:
         """Mean cached prompt tokens per completed request: the records' (clients see them only with
         vLLM's --enable-prompt-tokens-details), else the server's vllm:prompt_tokens_by_source

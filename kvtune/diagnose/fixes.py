@@ -12,7 +12,7 @@ import numpy as np
 
 from ..results import RunResult
 from ..targets.rules import CPU_KV_SPACE_ENV as CPU_KV_SPACE
-from ..targets.rules import OVERRIDE, SIZE_KNOBS, UTILIZATION, TargetRules, run_rules
+from ..targets.rules import OVERRIDE, SIZE_KNOBS, UTILIZATION, TargetRules, as_number, run_rules
 from ..targets.sim import engine_config
 from .facts import RunFacts
 from .model import FlagChange
@@ -141,19 +141,13 @@ def admitted(result: RunResult, change: FlagChange, lengths: list[tuple[int, int
             grown.effect += f"; in place of `{change.flag} {change.old} → {change.new}`, which does not size this pool"
         return grown
     if rules.refuses(change.flag, change.new):
-        up = _number(change.old) is None or _number(change.new) is None or _number(change.new) >= _number(change.old)
+        old, new = as_number(change.old), as_number(change.new)
+        up = old is None or new is None or new >= old
         new = rules.taken(change.flag, change.new, up=up)
         if new is None or new == change.old:
             return None
         change = FlagChange(change.flag, change.old, new, change.effect)
     return limit_noted(result.config, change, lengths)
-
-
-def _number(value) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 # -- limits a request can hit ---------------------------------------------------------------------------
@@ -198,7 +192,7 @@ def request_limit(config: dict, change: FlagChange) -> tuple[int, str] | None:
         measure = "output"
     else:
         return None
-    new, old = _number(change.new), _number(change.old)
+    new, old = as_number(change.new), as_number(change.old)
     if new is None or (old is not None and new >= old):
         return None
     return int(new), measure
@@ -213,7 +207,7 @@ def refusal(config: dict, change: FlagChange, lengths: list[tuple[int, int]] | N
     limit, measure = found
     if lengths is None:
         return Refusal(limit, measure)
-    old = _number(change.old) or math.inf
+    old = as_number(change.old) or math.inf
     sizes = [MEASURES[measure][0](p, o) for p, o in lengths]
     return Refusal(limit, measure, sum(limit < n <= old for n in sizes), len(sizes))
 

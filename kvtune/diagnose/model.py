@@ -93,7 +93,7 @@ class Thresholds:
     sustained_fraction: float = 0.1
     # KV usage levels
     usage_high: float = 0.9  # F1, F6: blocks near the limit
-    usage_saturated: float = 0.95  # F8: the pool is full
+    usage_saturated: float = 0.95  # a fix whose simulated pool still peaks here has no headroom
     usage_busy: float = 0.5  # F2: contexts fill a good part of the pool
     # Latency SLOs (client percentiles, else the server's histograms)
     ttft_p95_slo_s: float = 1.0

@@ -101,7 +101,7 @@ class TargetRules:
             if value not in self.kv_cache_dtypes:
                 return f"{self.server} has no --kv-cache-dtype {value}; it takes {', '.join(self.kv_cache_dtypes)}"
         elif flag == UTILIZATION:
-            number = _number(value)
+            number = as_number(value)
             if number is None or not 0 < number <= 1:
                 return f"{flag} is a share of the device's memory, above 0 and at most 1: not {value}"
         elif flag in COUNT_FLAGS:
@@ -117,7 +117,7 @@ class TargetRules:
         whole_flags = (CPU_KV_SPACE_ENV, "--block-size", *COUNT_FLAGS)
         if self.refuses(flag, value) is None:
             return _whole(value) if flag in whole_flags and isinstance(value, float) else value
-        number = _number(value)
+        number = as_number(value)
         if number is None:
             return None
         if flag == "--block-size":
@@ -211,8 +211,8 @@ def run_rules(config: dict, target: str = "", device: str = "") -> TargetRules:
     elif server == "sglang":
         rules = sglang_rules()
     else:
-        on_cpu = (CPU_KV_SPACE_ENV in env or config.get("vllm_platform") == "cpu"
-                  or "cpu" in str(device).lower() or (sizes and set(sizes) <= set(cpu_sizes)))
+        on_cpu = (config.get("vllm_platform") == "cpu" or "cpu" in str(device).lower()
+                  or (sizes and set(sizes) <= set(cpu_sizes)))
         rules = vllm_rules("cpu" if on_cpu else "cuda" if sizes else "unknown", env)
     if sizes:
         rules = dataclasses.replace(rules, block_sizes=sizes)
@@ -227,7 +227,7 @@ def run_rules(config: dict, target: str = "", device: str = "") -> TargetRules:
     return rules
 
 
-def _number(value) -> float | None:
+def as_number(value) -> float | None:
     try:
         return float(value)
     except (TypeError, ValueError):
