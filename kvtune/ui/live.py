@@ -48,6 +48,10 @@ def start_watch(url: str, prometheus_text: str, last_s: float, step_s: float) ->
     return watch
 
 
+def stop_watch() -> None:
+    st.session_state[WATCHING] = False
+
+
 def render() -> None:
     st.title("Live")
     st.caption("Scrape a running vLLM, SGLang or kvengine server's /metrics, chart it as it updates and "
@@ -66,8 +70,9 @@ def render() -> None:
             state[WATCHING] = not prom_text.strip()  # a history is read once
         except (ValueError, WatchError) as err:
             st.error(str(err))
-    if cols[3].button("Stop", key="live_stop"):
-        state[WATCHING] = False
+    # A callback, not the click's return value: a click's trigger lasts one script run, and the
+    # fragment's own timed rerun, which does not draw this button, can be the run that consumes it.
+    cols[3].button("Stop", key="live_stop", on_click=stop_watch)
     if STATE not in state:
         st.info("Enter the address of a running server (its /metrics is read) and press Start.")
         return
