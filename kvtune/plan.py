@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from kvengine.config import (
@@ -31,7 +30,8 @@ from kvengine.config import (
     device_preset,
     model_preset,
 )
-from kvengine.core.memory import kv_bytes_per_token, max_concurrency, plan_memory
+from kvengine.core.memory import (KVCacheMemoryError, kv_bytes_per_token, kv_elements_per_token, max_concurrency,
+                                  plan_memory)
 
 from .targets.rules import CPU_KV_SPACE_ENV
 from .workload import Workload
@@ -49,6 +49,11 @@ class PlannedModel(ModelSpec):
     @property
     def weight_bytes(self) -> int:
         return self.weights_bytes if self.weights_bytes is not None else super().weight_bytes
+
+    def tp_shard(self, tp: int) -> "PlannedModel":
+        shard = super().tp_shard(tp)
+        given = None if self.weights_bytes is None else math.ceil(self.weights_bytes / tp)
+        return dataclasses.replace(shard, weights_bytes=given) if tp > 1 else shard
 
 
 def custom_model(layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16", heads: int | None = None,
@@ -75,6 +80,7 @@ class ModelChoice:
     heads: int | None = None
     dtype: str = "bfloat16"
     weights_gib: float | None = None
+    quantization: str | None = None  # vLLM's --quantization
 
 
 def planned_model(choice: ModelChoice) -> PlannedModel:
@@ -88,28 +94,40 @@ def planned_model(choice: ModelChoice) -> PlannedModel:
             raise ValueError("a custom model needs --layers, --kv-heads and --head-dim")
         return custom_model(choice.layers, choice.kv_heads, choice.head_dim, choice.dtype, choice.heads,
                             weights_bytes=weights)
-    spec = _hf_model(choice.hf_config) if choice.hf_config else model_preset(choice.preset or "llama-3-8b")
+    if choice.quantization is not None and not choice.hf_config and not choice.preset:
+        raise ValueError("--quantization sizes the weights of a --preset or --hf-config model")
+    spec = (_hf_model(choice.hf_config, choice.quantization) if choice.hf_config
+            else _quantized(model_preset(choice.preset or "llama-3-8b"), choice.quantization))
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return PlannedModel(**fields, weights_bytes=weights)
 
 
-def _hf_model(path: str) -> ModelSpec:
-    from kvengine.model.hf import (  # imports torch: only when asked
-        CheckpointError,
-        model_spec_from_hf,
-    )
+def _quantized(spec: ModelSpec, quantization: str | None) -> ModelSpec:
+    if quantization is None:
+        return spec
+    from kvengine.model.hf_config import CheckpointError, weight_quant
+
+    try:
+        return dataclasses.replace(spec, weight_quant=weight_quant({}, f"preset {spec.name}", quantization))
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
+
+
+def _hf_model(path: str, quantization: str | None = None) -> ModelSpec:
+    """A config.json (or its folder), read where it is: every complaint names that file."""
+    from kvengine.model.hf_config import CheckpointError, read_json, spec_from_config
 
     if not os.path.exists(path):
         raise ValueError(f"--hf-config {path}: no such file or folder")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"--hf-config {path}: no config.json in that folder")
+    named_by_folder = os.path.isdir(path) or os.path.basename(path) == "config.json"
+    name = os.path.basename(os.path.dirname(os.path.abspath(file))) if named_by_folder else os.path.basename(path)
     try:
-        if os.path.isdir(path) or os.path.basename(path) == "config.json":
-            folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-            return model_spec_from_hf(folder)
-        with tempfile.TemporaryDirectory() as tmp:  # the reader wants a folder with a config.json
-            shutil.copy(path, os.path.join(tmp, "config.json"))
-            return model_spec_from_hf(tmp, name=os.path.basename(path))
-    except (CheckpointError, KeyError) as err:
-        raise ValueError(f"--hf-config {path}: {err}") from None
+        return spec_from_config(read_json(file, Path(file)), name, file, quantization)
+    except CheckpointError as err:
+        raise ValueError(f"--hf-config {err}") from None
 
 
 def planned_device(name: str | None, memory_bytes: int | None) -> DeviceSpec:
@@ -226,6 +244,7 @@ class CapacityPlan:
     server_pool: ServerPool | None = None  # set: the plan describes this live pool, not the planner's
     auto_element_bytes: int | None = None  # live plans: bytes per K/V element under `auto`
     auto_dtype_source: str = ""  # live plans: how that was found ("the server's bytes per token", ...)
+    refusal: str = ""  # vLLM would not start: the pool cannot hold one request of max_model_len
 
     @property
     def primary(self) -> DtypeCapacity:
@@ -250,12 +269,18 @@ def plan_capacity(model: ModelSpec, device: DeviceSpec, config: EngineConfig, co
                 for dtype in _dtypes(resolved.kv_cache_dtype)}
     first = next(iter(memories.values()))
     contexts = sorted(set(contexts))
-    return CapacityPlan(
+    try:
+        plan_memory(model, device, resolved, reserve_bytes)
+        refusal = ""
+    except KVCacheMemoryError as err:
+        refusal = str(err)
+    return CapacityPlan(refusal=refusal, 
         model=model.name, model_dtype=model.dtype, device=device.name, total_bytes=first.total_bytes,
         requested_bytes=first.requested_bytes, weights_bytes=first.weights_bytes,
         activation_bytes=first.activation_bytes, overhead_bytes=first.overhead_bytes,
         reserve_given=reserve_bytes is not None, config=resolved, contexts=contexts,
-        by_dtype=[_capacity(model, dtype, memory, contexts, resolved.max_model_len)
+        by_dtype=[_capacity(model.tp_shard(resolved.tensor_parallel_size), dtype, memory, contexts,
+                            resolved.max_model_len)
                   for dtype, memory in memories.items()])
 
 
@@ -264,7 +289,8 @@ def _dtypes(asked: str) -> list[str]:
 
 
 def _capacity(model: ModelSpec, dtype: str, memory, contexts: list[int], max_model_len: int) -> DtypeCapacity:
-    blocks_per_max_len = math.ceil(max_model_len / memory.block_size)
+    """One GPU's capacity at `dtype`; `model` is that GPU's shard."""
+    blocks_per_max_len = memory.blocks_per_request(max_model_len)
     return DtypeCapacity(
         kv_cache_dtype=dtype, kv_bytes_per_token=kv_bytes_per_token(model, dtype),
         pool_bytes=memory.kv_cache_bytes, num_gpu_blocks=memory.num_gpu_blocks, pool_tokens=memory.num_tokens,
@@ -275,11 +301,6 @@ def _capacity(model: ModelSpec, dtype: str, memory, contexts: list[int], max_mod
 def is_one_byte(kv_cache_dtype: str) -> bool:
     """fp8 (any variant) and int8 store one byte per K/V element."""
     return kv_cache_dtype.startswith(FP8) or kv_cache_dtype == "int8"
-
-
-def kv_elements_per_token(model: ModelSpec) -> int:
-    """2 (K and V) × layers × kv_heads × head_dim."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim
 
 
 def element_bytes_from(bytes_per_token: int | None, model: ModelSpec | None) -> int | None:

@@ -131,10 +131,18 @@ def test_cli_hf_config(tmp_path, capsys):
     assert from_hf["pool_tokens"] == preset["pool_tokens"]
 
 
-def test_cli_a_model_that_does_not_fit_exits_1(capsys):
-    assert kvtune_plan("--preset", "llama-3-70b", "--device", "a10-24gb", "--json") == 1
+def test_cli_a_model_that_does_not_fit_is_a_refusal(capsys):
+    """Like every refusal: an `error:` line and exit 2; --json ends with fits false and the reason."""
+    assert kvtune_plan("--preset", "llama-3-70b", "--device", "a10-24gb", "--json") == 2
     captured = capsys.readouterr()
-    assert "does not fit" in captured.err and "error" in json.loads(captured.out.strip().splitlines()[-1])
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert captured.err.startswith("error: does not fit") and last["fits"] is False and "weights" in last["reason"]
+    # The weights fit, the pool does not hold one request of max_model_len: vLLM would not start either.
+    assert kvtune_plan("--preset", "llama-3-8b", "--kv-cache-memory-bytes", "256MiB", "--json") == 2
+    captured = capsys.readouterr()
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["fits"] is False and "max seq len (8192)" in last["reason"] and last["num_gpu_blocks"] == 128
+    assert captured.err.startswith("error: does not fit")
 
 
 @pytest.mark.parametrize("argv", [

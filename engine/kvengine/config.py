@@ -4,67 +4,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from kvengine.model.hf_config import preset_specs
+from kvengine.model.spec import (  # noqa: F401  (the engine's names for them)
+    DTYPE_BYTES, WEIGHT_QUANT_BYTES, ConfigError, ModelSpec, check_tensor_parallel)
+
 GiB = 1 << 30
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 KV_ALLOCATORS = ("paged", "contiguous")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-class ConfigError(ValueError):
-    """A knob has a value the engine cannot run with; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a Llama-family decoder: all the memory and cost models need."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    dtype: str = "bfloat16"
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    rms_norm_eps: float = 1e-5
-    # Optional, for the torch model (defaults leave every preset above unchanged):
-    architecture: str = "llama"  # llama | mistral | qwen2 (all the same decoder here)
-    # HF's rope_scaling / rope_parameters minus rope_theta, as sorted (key, value)
-    # pairs so the spec stays hashable; None = plain RoPE. See rope_scaling_dict.
-    rope_scaling: tuple[tuple[str, object], ...] | None = None
-    sliding_window: int | None = None  # Mistral v0.1's windowed attention
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    @property
-    def rope_scaling_dict(self) -> dict | None:
-        return None if self.rope_scaling is None else dict(self.rope_scaling)
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
-        embed = self.vocab_size * h
-        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * per_layer + embed + lm_head + h
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -105,23 +53,8 @@ def platform_defaults(device: DeviceSpec) -> PlatformDefaults:
     return PlatformDefaults(16, 256, 2048)
 
 
-# Model shapes from each model's Hugging Face config.json.
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000, 4096),
-        ModelSpec("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256, 8192,
-                  rope_theta=500000.0),
-        ModelSpec("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256, 8192,
-                  rope_theta=500000.0),
-        ModelSpec("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32768, 32768,
-                  rope_theta=1000000.0),
-        ModelSpec("qwen2.5-7b", 28, 3584, 28, 4, 128, 18944, 152064, 32768,
-                  rope_theta=1000000.0, qkv_bias=True, rms_norm_eps=1e-6),
-        # The CPU torch model: small enough that 32 concurrent requests decode quickly.
-        ModelSpec("tiny", 4, 256, 8, 2, 32, 512, 32000, 4096, dtype="float32"),
-    )
-}
+# Model shapes: each model's published config.json, shipped in kvengine/model/configs/.
+MODEL_PRESETS: dict[str, ModelSpec] = preset_specs()
 
 # Memory, HBM bandwidth and dense BF16 tensor FLOP/s from the vendors' datasheets:
 #   H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet (80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense)
@@ -187,6 +120,8 @@ class EngineConfig:
         "help": "token budget per step (default: vLLM's for the device, 8192 or 2048)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "context limit per request (default: the model's)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "GPUs one replica's weights, heads and KV cache are split over (sizes one GPU's pool)"})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use this many KV blocks instead of sizing the pool from memory"})
     # vLLM's --kv-cache-memory-bytes: the KV pool's size in bytes, whatever the utilisation
@@ -243,7 +178,8 @@ class EngineConfig:
                 f"kv_allocator must be one of {', '.join(KV_ALLOCATORS)}, got {self.kv_allocator!r}")
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--max-model-len", self.max_model_len)):
+                            ("--max-model-len", self.max_model_len),
+                            ("--tensor-parallel-size", self.tensor_parallel_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"{flag} must be a positive integer, got {value!r}")
         if self.long_prefill_token_threshold < 0:
@@ -259,6 +195,8 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"--max-model-len ({self.max_model_len}) with chunked prefill disabled: "
                 "a long prompt could never be scheduled; raise it or enable chunked prefill")
+        if model is not None:
+            check_tensor_parallel(model, self.tensor_parallel_size)
         if model is not None and self.max_model_len and self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len ({self.max_model_len}) is larger than {model.name}'s "

@@ -35,11 +35,18 @@ def add_plan_command(subparsers) -> None:
                    help="custom model: weights and `auto` K/V dtype (default: %(default)s)")
     m.add_argument("--weights-gib", type=positive_float, metavar="GIB",
                    help="weights size (default: counted from the shape)")
+    m.add_argument("--quantization", metavar="METHOD",
+                   help="vLLM's --quantization: the weights' format (fp8, mxfp4, awq, gptq, compressed-tensors, "
+                        "modelopt, ...; default: the config's quantization_config, else the model dtype)")
     d = p.add_argument_group("device")
     d.add_argument("--device", metavar="DEVICE", help=f"{', '.join(DEVICE_PRESETS)} (default: h100-80gb)")
     d.add_argument("--device-memory", type=parse_size, metavar="SIZE", help="device memory, e.g. 80GiB")
     e = p.add_argument_group("engine")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="(default: %(default)s)")
+    e.add_argument("--kv-cache-memory-bytes", type=parse_size, metavar="SIZE",
+                   help="the KV pool of each GPU (e.g. 4GiB), instead of sizing it from the utilisation")
+    e.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="GPUs the model is split over; every figure is one GPU's (default: %(default)s)")
     e.add_argument("--reserve-gib", type=non_negative_float, metavar="GIB",
                    help="set aside this much instead of the activation peak and overhead estimates")
     e.add_argument("--block-size", type=int, default=16, help="(default: %(default)s)")
@@ -60,7 +67,7 @@ def add_plan_command(subparsers) -> None:
 def cmd_plan(args) -> int:
     try:
         model = planned_model(ModelChoice(args.preset, args.hf_config, args.layers, args.kv_heads, args.head_dim,
-                                          args.heads, args.dtype, args.weights_gib))
+                                          args.heads, args.dtype, args.weights_gib, args.quantization))
         device = planned_device(args.device, args.device_memory)
         contexts, from_workload = _contexts(args)
         config = _config(args, contexts)
@@ -71,15 +78,17 @@ def cmd_plan(args) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KVCacheMemoryError as err:
-        print(f"does not fit: {err}", file=sys.stderr)
+        print(f"error: does not fit: {err}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"error": str(err)}))
-        return 1
+            print(json.dumps({"fits": False, "reason": str(err)}))
+        return 2
     plan.workload_contexts = from_workload
     print(format_plan(plan))
+    if plan.refusal:
+        print(f"error: does not fit: {plan.refusal}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan_json(plan)))
-    return 0
+    return 2 if plan.refusal else 0
 
 
 def _contexts(args) -> tuple[list[int], dict[str, int]]:
@@ -95,13 +104,18 @@ def _config(args, contexts: list[int]) -> EngineConfig:
         max_len = max(contexts, default=4096)
     return EngineConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, max_model_len=max_len)
+                        max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def format_plan(plan: CapacityPlan) -> str:
     cfg = plan.config
-    title = (f"kvtune plan: {plan.model} on {plan.device}, "
-             f"gpu_memory_utilization {cfg.gpu_memory_utilization:g}, block_size {cfg.block_size}")
+    tp = cfg.tensor_parallel_size
+    on = f"{tp} × {plan.device} (tensor parallel; every figure is one GPU's)" if tp > 1 else plan.device
+    sized = (f"kv_cache_memory_bytes {cfg.kv_cache_memory_bytes / GiB:g} GiB" if plan.pool_fixed
+             else f"gpu_memory_utilization {cfg.gpu_memory_utilization:g}")
+    title = f"kvtune plan: {plan.model} on {on}, {sized}, block_size {cfg.block_size}"
     lines = [title, "",
              f"  {'device memory':<34}{plan.total_bytes / GiB:10.2f} GiB",
              f"  {'× gpu_memory_utilization':<34}{plan.requested_bytes / GiB:10.2f} GiB",
@@ -122,8 +136,6 @@ def format_plan(plan: CapacityPlan) -> str:
         lines.append(_row(label, [f"{c.max_concurrency[str(context)]:.2f}" for c in plan.by_dtype]))
     lines.append(_row(f"contiguous at max_model_len {cfg.max_model_len:,}",
                       [f"{c.contiguous_requests:,}" for c in plan.by_dtype]))
-    if plan.primary.contiguous_requests == 0:
-        lines.append(f"warning: the pool cannot hold one request of max_model_len {cfg.max_model_len:,}")
     return "\n".join(lines)
 
 
@@ -137,7 +149,8 @@ def _row(label: str, cells: list[str]) -> str:
 
 def plan_json(plan: CapacityPlan) -> dict:
     primary = dataclasses.asdict(plan.primary)
-    return {"model": plan.model, "device": plan.device, **primary,
+    return {"model": plan.model, "device": plan.device, "fits": not plan.refusal,
+            **({"reason": plan.refusal} if plan.refusal else {}), **primary,
             "memory": {"total_bytes": plan.total_bytes, "requested_bytes": plan.requested_bytes,
                        "weights_bytes": plan.weights_bytes, "activation_bytes": plan.activation_bytes,
                        "overhead_bytes": plan.overhead_bytes, "reserve_given": plan.reserve_given},

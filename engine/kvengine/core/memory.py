@@ -23,18 +23,63 @@ def kv_element_bytes(kv_cache_dtype: str, model: ModelSpec) -> int:
     return 1  # fp8 variants and int8 store one byte per element (scales are per block/head)
 
 
+def kv_elements_per_token_layer(model: ModelSpec) -> int:
+    """One layer's cache of one token: K and V of each K/V head, or MLA's one latent
+    (kv_lora_rank + qk_rope_head_dim, no separate V: vLLM's MLAAttentionSpec)."""
+    if model.uses_mla:
+        return model.kv_lora_rank + model.qk_rope_head_dim
+    return 2 * model.num_kv_heads * model.head_dim
+
+
 def kv_elements_per_token(model: ModelSpec) -> int:
-    """K and V, every layer: 2 * layers * kv_heads * head_dim."""
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim
+    """Every layer's cache of one token held in full (a sliding layer's too, inside its window)."""
+    return model.num_layers * kv_elements_per_token_layer(model)
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_cache_dtype: str = "auto") -> int:
-    """K and V, every layer, at the KV dtype's bytes per element."""
+    """Every layer's cache of one token, at the KV dtype's bytes per element."""
     return kv_elements_per_token(model) * kv_element_bytes(kv_cache_dtype, model)
 
 
+@dataclass(frozen=True)
+class KVGroups:
+    """vLLM's KV cache groups (`get_kv_cache_groups`): every group has `layers_per_group`
+    layers of one kind and draws its block ids from the one shared pool, so one block id
+    costs a page in each layer of the widest group."""
+
+    layers_per_group: int
+    kinds: tuple[str, ...]  # one per group: "full", "sliding" or "mla"
+    window: int | None  # the sliding layers' window
+
+    def blocks_per_request(self, context_len: int, block_size: int, in_flight_tokens: int) -> int:
+        """Blocks one request of `context_len` tokens holds at most, all groups together
+        (vLLM's max_memory_usage_bytes per group over the page): a sliding group keeps the
+        window and the tokens in flight, plus one block where the window starts mid-block."""
+        full = -(-context_len // block_size)
+        if self.window is None:
+            return full * len(self.kinds)
+        window = -(-min(self.window - 1 + in_flight_tokens, context_len) // block_size) + 1
+        return sum(window if kind == "sliding" else full for kind in self.kinds)
+
+
+def kv_groups(model: ModelSpec) -> KVGroups:
+    """One group of every layer when they are all alike; else each kind's layers split into
+    groups of one size: the rarest kind's count, or the commonest's when that is under 1.5x
+    it (vLLM's `_get_kv_cache_groups_uniform_page_size`; every kind here has one page size)."""
+    kinds = model.attention_kinds
+    window = model.sliding_window if "sliding" in kinds else None
+    counts = {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+    if len(counts) == 1:
+        return KVGroups(model.num_layers, tuple(counts), window)
+    smallest, largest = min(counts.values()), max(counts.values())
+    size = largest if largest < 1.5 * smallest else smallest
+    return KVGroups(size, tuple(kind for kind, n in counts.items() for _ in range(-(-n // size))), window)
+
+
 def kv_bytes_per_block(model: ModelSpec, kv_cache_dtype: str, block_size: int) -> int:
-    return kv_bytes_per_token(model, kv_cache_dtype) * block_size
+    """What one block id costs in the pool: a page of `block_size` tokens in each layer of a group."""
+    page = block_size * kv_elements_per_token_layer(model) * kv_element_bytes(kv_cache_dtype, model)
+    return kv_groups(model).layers_per_group * page
 
 
 def activation_peak_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -63,6 +108,8 @@ class MemoryPlan:
     block_size: int
     num_gpu_blocks: int  # includes vLLM's null block
     activation_measured: bool = False  # a profile run's peak, not the estimate
+    groups: KVGroups | None = None  # None: one group of full-attention layers
+    in_flight_tokens: int = 0  # tokens scheduled and not yet settled: a sliding window keeps them too
 
     @property
     def num_usable_blocks(self) -> int:
@@ -73,8 +120,14 @@ class MemoryPlan:
         """vLLM's "GPU KV cache size: N tokens"."""
         return self.num_gpu_blocks * self.block_size
 
+    def blocks_per_request(self, context_len: int) -> int:
+        if self.groups is None:
+            return math.ceil(context_len / self.block_size)
+        return self.groups.blocks_per_request(context_len, self.block_size, self.in_flight_tokens)
+
     def max_concurrency(self, context_len: int) -> float:
-        return max_concurrency(self.num_gpu_blocks, self.block_size, context_len)
+        """Requests of `context_len` tokens the pool holds at once (vLLM's formula)."""
+        return self.num_gpu_blocks / self.blocks_per_request(context_len)
 
     def log_lines(self, max_model_len: int) -> list[str]:
         """The lines vLLM prints at start-up, for operators who grep for them."""
@@ -92,7 +145,7 @@ class MemoryPlan:
 
 
 def max_concurrency(num_gpu_blocks: int, block_size: int, context_len: int) -> float:
-    """Requests of `context_len` tokens the pool holds at once (vLLM's formula)."""
+    """Requests of `context_len` tokens a pool of full-attention blocks holds at once."""
     blocks_per_request = math.ceil(context_len / block_size)
     return num_gpu_blocks / blocks_per_request
 
@@ -105,6 +158,7 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
     profiling pass); without one, the estimate is used."""
     unresolved = None in (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
     cfg = config.resolve(model, device) if unresolved else config
+    model = model.tp_shard(cfg.tensor_parallel_size)  # everything below is one GPU's
     block_bytes = kv_bytes_per_block(model, cfg.kv_cache_dtype, cfg.block_size)
     requested = math.ceil(device.memory_bytes * cfg.gpu_memory_utilization)
     weights = model.weight_bytes
@@ -122,7 +176,7 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
         raise KVCacheMemoryError(
             f"The model weights ({weights / GiB:.2f} GiB) do not fit in {device.name} x "
             f"gpu_memory_utilization {cfg.gpu_memory_utilization} = {requested / GiB:.2f} GiB. "
-            "Use a device with more memory or shard the model (tensor parallelism).")
+            "Use a device with more memory or split the model over more GPUs (--tensor-parallel-size).")
     elif available <= 0:
         raise KVCacheMemoryError(
             f"No available memory for the cache blocks: {device.name} x "
@@ -135,13 +189,20 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
         num_blocks = available // block_bytes
     plan = MemoryPlan(device.memory_bytes, requested, weights, activation, overhead,
                       available, block_bytes, cfg.block_size, int(num_blocks),
-                      activation_bytes is not None)
+                      activation_bytes is not None, kv_groups(model),
+                      concurrent_batches(device) * cfg.max_num_batched_tokens)
     _check_fits_one_request(plan, model, cfg)
     return plan
 
 
+def concurrent_batches(device: DeviceSpec) -> int:
+    """Steps in flight at once: two with a GPU's async scheduling, one on the CPU (vLLM's
+    `max_concurrent_batches`, no pipeline parallelism)."""
+    return 1 if device.platform == "cpu" else 2
+
+
 def _check_fits_one_request(plan: MemoryPlan, model: ModelSpec, cfg: EngineConfig) -> None:
-    needed_blocks = math.ceil(cfg.max_model_len / cfg.block_size)
+    needed_blocks = plan.blocks_per_request(cfg.max_model_len)
     if plan.num_usable_blocks >= needed_blocks:
         return
     needed = needed_blocks * plan.block_bytes

@@ -56,15 +56,18 @@ def build_torch_engine(config: EngineConfig, preset: str | None = None, model_pa
     (engine.executor.tokenizer) and the loaded model (engine.executor.model);
     engine.eos_token_id is the model's (or the byte tokenizer's) eos id.
     """
-    from kvengine.model.hf import generation_eos_ids, load_hf_state_dict, model_spec_from_hf
+    from kvengine.model.hf import generation_eos_ids, load_hf_state_dict, torch_model_spec
     from kvengine.model.tokenizer import load_tokenizer
 
+    if config.tensor_parallel_size != 1:  # one process, one device: the sim executor splits ranks
+        raise ConfigError(f"--tensor-parallel-size {config.tensor_parallel_size}: the torch executor runs "
+                          "one device; use --executor sim to model tensor parallelism")
     set_num_threads(num_threads)
     torch_device = resolve_device(device)
     if own_process and torch_device == "cpu":
         tune_cpu_allocators()
     if model_path is not None:
-        spec = model_spec_from_hf(model_path)
+        spec = torch_model_spec(model_path)
     else:
         spec = model_preset(preset or "tiny")
     if dtype is not None:

@@ -1,0 +1,121 @@
+"""The model families a config.json describes, against their publishers' own figures.
+
+Each shipped preset (kvengine/model/configs/NAME.json, the model's published config.json) is
+read by kvengine.model.hf_config and its counted parameters compared with the count its model
+card states; the KV cache per token with the layer kinds and MLA's latent. vLLM's own sizing of
+the pool is compared in tests/test_vllm_sizing.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from kvengine.config import MODEL_PRESETS, ConfigError, EngineConfig, device_preset
+from kvengine.core.memory import kv_bytes_per_token, kv_groups, plan_memory
+from kvengine.model.hf_config import CheckpointError, spec_from_config
+
+GiB = 1 << 30
+
+# Total parameters as each model card states them (billions; the decoder vLLM loads: DeepSeek-V3
+# without its 14B multi-token-prediction layer, Gemma 3 without its 0.4B vision tower).
+PUBLISHED_PARAMS_B = {
+    "llama-3.1-70b": 70.6, "llama-3.1-8b": 8.03, "mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235.0, "qwen3-8b": 8.2, "qwen3-32b": 32.8, "qwen2.5-72b": 72.7,
+    "deepseek-v3": 671.0, "kimi-k2": 1030.0, "gpt-oss-120b": 116.8, "gpt-oss-20b": 20.9,
+    "gemma-2-9b": 9.24, "gemma-2-27b": 27.2, "gemma-3-27b": 27.0,
+}
+# (layer kinds, bytes per token of every layer held in full, at the checkpoint dtype)
+KV_SHAPES = {
+    "llama-3.1-70b": ({"full"}, 80 * 2 * 8 * 128 * 2),
+    "mixtral-8x7b": ({"full"}, 32 * 2 * 8 * 128 * 2),
+    "qwen3-30b-a3b": ({"full"}, 48 * 2 * 4 * 128 * 2),
+    "deepseek-v3": ({"mla"}, 61 * (512 + 64) * 2),
+    "kimi-k2": ({"mla"}, 61 * (512 + 64) * 2),
+    "gemma-2-9b": ({"full", "sliding"}, 42 * 2 * 8 * 256 * 2),
+    "gemma-3-27b": ({"full", "sliding"}, 62 * 2 * 16 * 128 * 2),
+    "gpt-oss-120b": ({"full", "sliding"}, 36 * 2 * 8 * 64 * 2),
+}
+
+
+def preset(name: str):
+    if name not in MODEL_PRESETS:
+        pytest.fail(f"no shipped preset {name!r}: kvengine/model/configs/{name}.json")
+    return MODEL_PRESETS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_B))
+def test_counted_parameters_match_the_model_card(name):
+    counted = preset(name).num_params / 1e9
+    assert counted == pytest.approx(PUBLISHED_PARAMS_B[name], rel=0.015), counted
+
+
+@pytest.mark.parametrize("name", sorted(KV_SHAPES))
+def test_layer_kinds_and_cache_per_token(name):
+    spec = preset(name)
+    kinds, per_token = KV_SHAPES[name]
+    assert set(spec.attention_kinds) == kinds and len(spec.attention_kinds) == spec.num_layers
+    assert kv_bytes_per_token(spec) == per_token
+
+
+def test_quantized_checkpoints_are_sized_in_their_format():
+    """fp8 weights a byte each, gpt-oss's mxfp4 experts about half a byte: the pool is what is left."""
+    dense, fp8 = preset("llama-3.1-70b"), preset("llama-3.1-70b-fp8")
+    assert dense.weight_quant is None and fp8.weight_quant == "fp8"
+    assert fp8.weight_bytes == pytest.approx(dense.weight_bytes / 2, rel=0.03)
+    assert preset("deepseek-v3").weight_quant == "fp8"
+    oss = preset("gpt-oss-120b")
+    assert oss.weight_quant == "mxfp4"
+    # The published checkpoint is about 65 GB: experts in mxfp4, attention and embeddings in bf16.
+    assert 58 < oss.weight_bytes / GiB < 64
+
+
+def test_hybrid_layers_group_as_vllm_groups_them():
+    """Gemma 2: 21 sliding + 21 full layers, two groups of 21; Gemma 3 (5:1): groups of the 10
+    full layers' size; a sliding group holds the window and the tokens in flight, plus a block."""
+    gemma2 = kv_groups(preset("gemma-2-9b"))
+    assert (gemma2.layers_per_group, sorted(gemma2.kinds), gemma2.window) == (21, ["full", "sliding"], 4096)
+    assert gemma2.blocks_per_request(8192, 16, 0) == 512 + 256 + 1
+    assert gemma2.blocks_per_request(1000, 16, 8192) == 63 + 64  # the window capped at the context, plus one
+    gemma3 = kv_groups(preset("gemma-3-27b"))
+    full = preset("gemma-3-27b").attention_kinds.count("full")
+    assert gemma3.layers_per_group == full and gemma3.kinds.count("full") == 1
+    assert gemma3.kinds.count("sliding") == -(-(62 - full) // full)
+
+
+def test_tensor_parallel_shards_heads_and_weights_as_vllm_does():
+    model, device = preset("llama-3.1-70b"), device_preset("h100-80gb")
+    whole = plan_memory(model, device, EngineConfig(kv_cache_memory_bytes=8 * GiB, max_model_len=8192))
+    tp4 = plan_memory(model, device, EngineConfig(tensor_parallel_size=4))
+    assert tp4.weights_bytes == pytest.approx(whole.weights_bytes / 4, rel=0.01)
+    assert tp4.block_bytes == whole.block_bytes // 4  # 8 K/V heads, 2 a GPU
+    tp16 = model.tp_shard(16)  # more ranks than K/V heads: each holds one, replicated
+    assert tp16.num_kv_heads == 1 and tp16.num_heads == 4
+    mla = preset("deepseek-v3").tp_shard(8)  # MLA's latent is on every rank, whole
+    assert kv_bytes_per_token(mla) == kv_bytes_per_token(preset("deepseek-v3"))
+    with pytest.raises(ConfigError, match="does not divide .* 64 attention heads"):
+        plan_memory(model, device, EngineConfig(tensor_parallel_size=3))
+    with pytest.raises(ConfigError, match="8 K/V heads: one must divide the other"):
+        dataclasses.replace(model, num_heads=96).tp_shard(12)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}, r"model_type 'falcon' .* not a family"),
+    ({"num_hidden_layers": None}, "lacks num_hidden_layers"),
+    ({"kv_lora_rank": None}, "lacks kv_lora_rank, which this family needs"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method 'bitsandbytes'"),
+    ({"layer_types": ["full_attention"] * 3, "sliding_window": 128, "model_type": "gpt_oss", "num_local_experts": 8},
+     "layer_types must list 61"),
+])
+def test_a_config_it_cannot_place_names_the_file_and_the_field(change, message):
+    cfg = json.loads(json.dumps(_deepseek_config()))
+    cfg.update(change)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(CheckpointError, match=message) as err:
+        spec_from_config(cfg, "x", "/models/x/config.json")
+    assert str(err.value).startswith("/models/x/config.json: ")
+
+
+def _deepseek_config() -> dict:
+    from kvengine.model.hf_config import PRESET_DIR
+    return json.loads((PRESET_DIR / "deepseek-v3.json").read_text())
