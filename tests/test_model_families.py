@@ -119,3 +119,38 @@ def test_a_config_it_cannot_place_names_the_file_and_the_field(change, message):
 def _deepseek_config() -> dict:
     from kvengine.model.hf_config import PRESET_DIR
     return json.loads((PRESET_DIR / "deepseek-v3.json").read_text())
+
+
+def test_plan_takes_any_family_tp_quantization_and_a_fixed_pool(capsys):
+    """The issue's command: --hf-config DIR --tensor-parallel-size T --quantization Q
+    --kv-cache-memory-bytes B --block-size S --context L --json gives fits and max_concurrency[L]."""
+    from kvengine.model.hf_config import PRESET_DIR
+    from test_plan import plan_json
+
+    out = plan_json(capsys, "--hf-config", str(PRESET_DIR / "llama-3.1-70b.json"), "--device", "h100-80gb",
+                    "--tensor-parallel-size", "4", "--quantization", "fp8", "--kv-cache-memory-bytes", "20GiB",
+                    "--block-size", "16", "--context", "8192", "--max-model-len", "8192")
+    assert out["fits"] is True and out["config"]["tensor_parallel_size"] == 4
+    per_token = 80 * 2 * 2 * 128 * 2  # two of the 8 K/V heads on each GPU
+    assert out["kv_bytes_per_token"] == per_token
+    assert out["num_gpu_blocks"] == 20 * GiB // (16 * per_token)
+    assert out["max_concurrency"]["8192"] == out["num_gpu_blocks"] / 512
+    embeddings = 2 * 128256 * 8192  # embed_tokens and lm_head stay bf16; the linear layers are fp8
+    assert out["memory"]["weights_bytes"] == pytest.approx((70.55e9 - embeddings + 2 * embeddings) / 4, rel=0.01)
+
+
+def test_run_simulates_a_70b_model_split_over_four_gpus(tmp_path, capsys):
+    import importlib.resources
+
+    from kvengine.entrypoints.flags import launch_flags
+    from kvtune.cli import main
+
+    trace = importlib.resources.files("kvtune") / "data" / "demo_traces.jsonl"
+    common = ["run", "--target", "sim", "--workload", str(trace), "--head", "20", "--preset", "llama-3.1-70b",
+              "--device", "h100-80gb", "--max-model-len", "8192", "--db", f"sqlite:///{tmp_path}/k.db"]
+    assert main(common) != 0  # 131 GiB of weights on one 80 GB GPU
+    assert "--tensor-parallel-size" in capsys.readouterr().err
+    assert main([*common, "--tensor-parallel-size", "4"]) == 0
+    assert "4 × h100-80gb (tensor parallel)" in capsys.readouterr().out
+    flags = launch_flags(EngineConfig(tensor_parallel_size=4))  # the report's launch commands
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "4"

@@ -161,8 +161,10 @@ def format_summary(result: RunResult) -> str:
 
     cfg = result.config
     live = "server_ttft_p95" in s
+    tp = cfg.get("tensor_parallel_size") or 1
+    on = f"{tp} × {result.device} (tensor parallel)" if tp > 1 else result.device
     lines = [
-        f"{result.target}: {result.model} on {result.device}, " + ", ".join(
+        f"{result.target}: {result.model} on {on}, " + ", ".join(
             f"{k} {cfg[k]}" for k in ("block_size", "gpu_memory_utilization", "max_num_seqs",
                                       "max_num_batched_tokens", "kv_cache_dtype") if cfg.get(k) is not None),
         f"requests        {s['requests']:,} ({s['completed']:,} completed, {s['rejected']:,} rejected, "

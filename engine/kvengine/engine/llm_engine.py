@@ -56,8 +56,10 @@ class LLMEngine:
         self.config = config.resolve(model, device)
         self.model = model
         self.device = device
-        self.cost = StepCost.build(model, device, self.config.kv_cache_dtype,
-                                   self.config.block_size, cost_coefficients)
+        # One GPU's shard sets a step's time (each rank reads its share of the weights and K/V);
+        # the ranks' all-reduces are not priced.
+        self.cost = StepCost.build(model.tp_shard(self.config.tensor_parallel_size), device,
+                                   self.config.kv_cache_dtype, self.config.block_size, cost_coefficients)
         self.executor: Executor = executor or SimExecutor(self.cost)
         # A real executor measures its activation peak (a profiling pass at
         # max_num_batched_tokens, as vLLM does) before the pool is sized, and
