@@ -53,6 +53,12 @@ def platform_defaults(device: DeviceSpec) -> PlatformDefaults:
     return PlatformDefaults(16, 256, 2048)
 
 
+def platform_block_size(model: ModelSpec, device: DeviceSpec, asked: int) -> int:
+    """The block size the platform runs: vLLM's CPU build overrides any block size of an MLA
+    model with 16, the only one its MLA decode kernel has (`vllm/platforms/cpu.py`)."""
+    return 16 if model.uses_mla and device.platform == "cpu" else asked
+
+
 # Model shapes: each model's published config.json, shipped in kvengine/model/configs/.
 MODEL_PRESETS: dict[str, ModelSpec] = preset_specs()
 
@@ -148,7 +154,7 @@ class EngineConfig:
 
         cfg = dataclasses.replace(
             self,
-            block_size=default(self.block_size, platform.block_size),
+            block_size=platform_block_size(model, device, default(self.block_size, platform.block_size)),
             max_model_len=default(self.max_model_len, model.max_position_embeddings),
             max_num_seqs=default(self.max_num_seqs, platform.max_num_seqs),
             max_num_batched_tokens=default(self.max_num_batched_tokens, platform.max_num_batched_tokens),

@@ -1,0 +1,58 @@
+"""kvtune's KV pool against vLLM's own, family by family (issue #40, point 4).
+
+The reference is vLLM itself: a real start of the CPU build on a shrunk config.json with dummy
+weights (tests/vllm_sizing.py start_and_read: its vllm:cache_config_info and its logged
+"Maximum concurrency"), or, where a start is not needed or not possible (tensor parallelism on
+one CPU), vLLM's own sizing code run on the same config (vllm_sizing: its ModelConfig, its layers'
+KV cache specs, get_kv_cache_configs and get_max_concurrency_for_kv_cache_config). kvtune's side
+is kvengine.core.memory.plan_memory on the spec kvengine.model.hf_config reads. Every family and
+TP size is compared by benchmarks/vllm_sizing.py; the suite keeps one start and one probe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from kvengine.config import DeviceSpec, EngineConfig, GiB
+from kvengine.core.memory import plan_memory
+from kvengine.model.hf_config import spec_from_config
+
+from vllm_sizing import family_dir, start_and_read, vllm_sizing
+
+pytestmark = pytest.mark.slow
+MAX_MODEL_LEN = 2048
+# The CPU build's platform (one batch in flight, its default batch budget); its memory is unused
+# here: the pool is given (VLLM_CPU_KVCACHE_SPACE, or the probe's available bytes).
+CPU = DeviceSpec("cpu", 64 * GiB, 20e9, 100e9, platform="cpu")
+
+
+def kvtune_sizing(family: str, *, tp: int = 1, block_size: int, pool_bytes: int = GiB) -> tuple[int, float]:
+    """(num_gpu_blocks, max concurrency at MAX_MODEL_LEN) as kvtune plans one GPU of the family."""
+    path = family_dir(family) / "config.json"
+    spec = spec_from_config(json.loads(path.read_text()), family, str(path))
+    spec = dataclasses.replace(spec, dtype="bfloat16")  # the tests serve --dtype bfloat16
+    config = EngineConfig(block_size=block_size, kv_cache_memory_bytes=pool_bytes, max_model_len=MAX_MODEL_LEN,
+                          tensor_parallel_size=tp)
+    plan = plan_memory(spec, CPU, config.resolve(spec, CPU))
+    return plan.num_gpu_blocks, plan.max_concurrency(MAX_MODEL_LEN)
+
+
+def test_a_hybrid_sliding_window_pool_equals_a_real_vllm_start():
+    """Gemma 2 (sliding window on alternate layers): vLLM groups the layers by kind and keeps a
+    window's blocks per sliding group, so its pool and concurrency are not a dense model's."""
+    real = start_and_read(family_dir("gemma2"), pool_gib=1, max_model_len=MAX_MODEL_LEN)
+    blocks, concurrency = kvtune_sizing("gemma2", block_size=real["block_size"])
+    assert blocks == real["num_gpu_blocks"], real["log_tail"]
+    assert concurrency == pytest.approx(real["max_concurrency"], abs=0.01)
+
+
+@pytest.mark.parametrize("family, tp", [("deepseek_v3", 2), ("qwen3", 4)])
+def test_mla_and_tensor_parallel_pools_equal_vllms_own_sizing(family, tp):
+    """DeepSeek-V3's MLA latent (whole on every rank) and Qwen3's K/V heads split (and replicated
+    past their count) over TP ranks, as vLLM's own code sizes them for one rank's memory."""
+    theirs = vllm_sizing(family_dir(family), tp=tp, block_size=128, max_model_len=MAX_MODEL_LEN)
+    assert "error" not in theirs, theirs.get("error")
+    blocks, concurrency = kvtune_sizing(family, tp=tp, block_size=128)
+    assert blocks == theirs["num_blocks"]
+    assert concurrency == pytest.approx(theirs["max_concurrency"], rel=1e-6)
