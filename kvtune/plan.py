@@ -18,7 +18,6 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 from kvengine.config import (
@@ -115,17 +114,12 @@ def _quantized(spec: ModelSpec, quantization: str | None) -> ModelSpec:
 
 def _hf_model(path: str, quantization: str | None = None) -> ModelSpec:
     """A config.json (or its folder), read where it is: every complaint names that file."""
-    from kvengine.model.hf_config import CheckpointError, read_json, spec_from_config
+    from kvengine.model.hf_config import CheckpointError, model_spec_from_config_path
 
     if not os.path.exists(path):
         raise ValueError(f"--hf-config {path}: no such file or folder")
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise ValueError(f"--hf-config {path}: no config.json in that folder")
-    named_by_folder = os.path.isdir(path) or os.path.basename(path) == "config.json"
-    name = os.path.basename(os.path.dirname(os.path.abspath(file))) if named_by_folder else os.path.basename(path)
     try:
-        return spec_from_config(read_json(file, Path(file)), name, file, quantization)
+        return model_spec_from_config_path(path, quantization)
     except CheckpointError as err:
         raise ValueError(f"--hf-config {err}") from None
 

@@ -154,3 +154,36 @@ def test_run_simulates_a_70b_model_split_over_four_gpus(tmp_path, capsys):
     assert "4 × h100-80gb (tensor parallel)" in capsys.readouterr().out
     flags = launch_flags(EngineConfig(tensor_parallel_size=4))  # the report's launch commands
     assert flags[flags.index("--tensor-parallel-size") + 1] == "4"
+
+
+def test_the_simulator_runs_the_model_a_live_target_serves(tmp_path, capsys):
+    """A local --model's config.json is the stage-1 model; a --preset describing another model is
+    refused with both shapes named, before anything starts or is stored."""
+    import argparse
+    import importlib.resources
+    import shutil
+
+    from kvtune.cli import main
+    from kvtune.cli.target import simulated_model
+    from vllm_sizing import family_dir
+
+    served = tmp_path / "qwen3-tiny"
+    shutil.copytree(family_dir("qwen3"), served)
+
+    def args(target, preset=None, model=str(served)):
+        return argparse.Namespace(target=target, preset=preset, model=model)
+
+    assert simulated_model(args("vllm"), "llama-3-8b") == str(served)
+    assert simulated_model(args("http://127.0.0.1:9/", model=None), "llama-3-8b") == "llama-3-8b"
+    assert simulated_model(args("vllm", preset=str(served / "config.json")), "x") == str(served / "config.json")
+    db = tmp_path / "k.db"
+    trace = importlib.resources.files("kvtune") / "data" / "demo_traces.jsonl"
+    for command in (["search", "--trials", "2"], ["calibrate", "--quick"]):
+        extra = ["--workload", str(trace)] if command[0] == "search" else []
+        code = main([*command, *extra, "--target", "vllm", "--model", str(served), "--preset", "llama-3-8b",
+                     "--db", f"sqlite:///{db}"])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert "32 layers, 32 heads, 8 K/V heads of 128 (llama-3-8b)" in err
+        assert "4 layers, 8 heads, 4 K/V heads of 64 (qwen3-tiny)" in err
+        assert not db.exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from kvengine.model.hf_config import preset_specs
@@ -90,11 +91,24 @@ def _lookup(table: dict, name: str, flag: str):
     except KeyError:
         raise ConfigError(
             f"{flag}: unknown preset {name!r}; choose one of {', '.join(table)}"
+            + (" (or give a config.json or its folder)" if table is MODEL_PRESETS else "")
         ) from None
 
 
 def model_preset(name: str) -> ModelSpec:
-    return _lookup(MODEL_PRESETS, name, "--preset")
+    """A shipped preset by name, or the model of a config.json (or a folder holding one)."""
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    if not os.path.exists(name):
+        if os.sep in name or name.endswith(".json"):
+            raise ConfigError(f"--preset/--hf-config {name}: no such file or folder")
+        return _lookup(MODEL_PRESETS, name, "--preset")
+    from kvengine.model.hf_config import CheckpointError, model_spec_from_config_path
+
+    try:
+        return model_spec_from_config_path(name)
+    except CheckpointError as err:
+        raise ConfigError(f"--preset/--hf-config {err}") from None
 
 
 def device_preset(name: str) -> DeviceSpec:

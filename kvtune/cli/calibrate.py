@@ -18,7 +18,7 @@ from .commands import COMMANDS
 from .args import add_db_argument
 from ..store import Store, resolve_db_url
 from ..targets import TargetStartError
-from .target import add_server_flags, live_target, refuse_unservable
+from .target import add_server_flags, live_target, refuse_unservable, simulated_model
 from .args import name_or_url, positive_float, positive_int
 from ..calibrate.probes import (
     CalibrationError,
@@ -48,6 +48,8 @@ def add_calibrate_command(sub) -> None:
                    help="the profile's name (default: from the target, model and device); an existing "
                         "profile of that name is replaced")
     g = p.add_argument_group("model and device (the presets the sim will run with the profile)")
+    g.add_argument("--hf-config", dest="preset", metavar="PATH",
+                   help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
     g.add_argument("--preset", metavar="MODEL", help="model preset of the served model (default: tiny for the "
                                                      "engine's torch executor, else llama-3-8b)")
     g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for the engine's torch "
@@ -97,8 +99,9 @@ def default_name(target: str, executor: str | None, preset: str, device: str) ->
 def cmd_calibrate(args) -> int:
     key = f"engine:{args.executor}" if args.target == "engine" else args.target
     preset, device = DEFAULT_SPECS.get(key, FALLBACK_SPECS)
-    preset, device = args.preset or preset, args.device or device
-    model_preset(preset), device_preset(device)  # unknown presets fail before anything starts
+    preset, device = simulated_model(args, preset), args.device or device
+    model = model_preset(preset)  # unknown presets, or one that is not the served model, fail before anything starts
+    device_preset(device)
     config = config_from_args(args)
     if args.cost_profile and not (args.target == "engine" and args.executor == "sim"):
         raise ConfigError("--cost-profile needs --target engine --executor sim")
@@ -108,7 +111,7 @@ def cmd_calibrate(args) -> int:
     if args.quantized_kv and config.kv_cache_dtype not in (None, "auto"):
         raise ConfigError(f"--quantized-kv {args.quantized_kv} times a quantized cache against the server's "
                           f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
-    name = args.name or default_name(args.target, args.executor, preset, device)
+    name = args.name or default_name(args.target, args.executor, model.name, device)
     url = args.target.startswith(("http://", "https://"))
     server = None if url else _server_target(args, config, preset, device)
     if server is not None:  # what its rules refuse fails before any start, and before the store

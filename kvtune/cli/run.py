@@ -16,7 +16,7 @@ from ..diagnose.trial import Simulator, diagnosed, simulator_for
 from ..results import RunResult
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
-from .target import add_server_flags, live_target, refuse_unservable
+from .target import add_server_flags, live_target, refuse_unservable, simulated_model
 from ..stopping import failure_reason
 from ..targets.sim import config_dict
 from ..workload import FORMATS, head, rate_scale, read_workload
@@ -42,6 +42,8 @@ def add_run_command(sub) -> None:
                    help="replay at X times the trace's request rate (default: 1)")
     p.add_argument("--head", type=positive_int, metavar="N", help="only the first N requests")
     g = p.add_argument_group("model and device")
+    g.add_argument("--hf-config", dest="preset", metavar="PATH",
+                   help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
     g.add_argument("--preset", metavar="MODEL", help="model preset (default: llama-3-8b; tiny for the "
                                                      "engine target's torch executor)")
     g.add_argument("--device", metavar="DEVICE", help="device preset for sim, or cpu/cuda/a preset for the "
@@ -65,7 +67,7 @@ def build_target(args):
     """The target the flags name, and the (model, device) labels it runs."""
     key = f"engine:{args.executor}" if args.target == "engine" else args.target
     preset, device = DEFAULT_SPECS.get(key, (None, None))
-    preset, device = args.preset or preset, args.device or device
+    preset, device = simulated_model(args, preset), args.device or device
     if args.target == "sim":
         if args.profile:
             profile = get_profile(args.db, args.profile)

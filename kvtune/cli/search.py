@@ -6,14 +6,14 @@ import json
 import sys
 import time
 
-from kvengine.config import device_preset, model_preset
+from kvengine.config import ConfigError, device_preset, model_preset
 
 from .commands import COMMANDS
 from .args import add_db_argument
 from ..calibrate import get_profile
 from ..store import resolve_db_url
 from ..targets import SimTarget
-from .target import add_server_flags, live_target
+from .target import add_server_flags, live_target, simulated_model
 from ..workload import FORMATS, read_workload
 from .args import positive_float, positive_int
 from ..search.flow import SearchError, SearchRequest, run_search
@@ -52,7 +52,10 @@ def add_search_command(sub) -> None:
     p.add_argument("--search-batched-tokens", action="store_true", help="also search max_num_batched_tokens")
     p.add_argument("--search-prefix-caching", action="store_true", help="also search enable_prefix_caching")
     g = p.add_argument_group("the model and device of stage 1")
-    g.add_argument("--preset", default="llama-3-8b", help="model preset (default: %(default)s)")
+    g.add_argument("--hf-config", dest="preset", metavar="PATH",
+                   help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
+    g.add_argument("--preset", help="model preset (default: the config.json of a local --model the target serves, "
+                                    "else llama-3-8b)")
     g.add_argument("--device", default="h100-80gb", help="device preset (default: %(default)s)")
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
     g.add_argument("--profile", metavar="NAME",
@@ -122,7 +125,12 @@ def _search(args, live_targets: list) -> int:
                   f"{', '.join(untimed)} at its bytes alone; where the server dequantizes in software (a CPU) "
                   f"that is optimistic. `kvtune calibrate --quantized-kv {untimed[0]}` times it")
     else:
-        sim = SimTarget(model_preset(args.preset), device_preset(args.device))
+        try:
+            args.preset = simulated_model(args, "llama-3-8b")
+            sim = SimTarget(model_preset(args.preset), device_preset(args.device))
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     live = _live_target(args) if args.target != "none" else None
     live_targets += [live] if live is not None else []
     request = SearchRequest(

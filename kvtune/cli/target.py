@@ -111,3 +111,42 @@ def live_target(kind: str, args, preset: str | None, device: str | None):
         return vllm
     return SglangTarget(**common, model=args.model or "", python=args.sglang_python,
                         extra_args=args.server_args)
+
+
+def served_config(args) -> str | None:
+    """The local folder (with its config.json) of the model a target kvtune starts will serve."""
+    model = getattr(args, "model", None)
+    if args.target in ("vllm", "sglang", "engine") and model and os.path.isfile(os.path.join(model, "config.json")):
+        return model
+    return None
+
+
+def simulated_model(args, default: str) -> str:
+    """The model the simulator runs for a live target: the served checkpoint's config.json where kvtune
+    can read it (a --preset/--hf-config must then describe the same model), else the one asked, else
+    `default`. Raises ConfigError naming both shapes where they disagree."""
+    from kvengine.config import model_preset
+
+    served = served_config(args)
+    if served is None:
+        return args.preset or default
+    if args.preset is None:
+        return served
+    asked, theirs = model_preset(args.preset), model_preset(served)
+    if shape(asked) != shape(theirs):
+        raise ConfigError(f"--preset/--hf-config {args.preset} describes {describe(asked)}, but --model {served} "
+                          f"serves {describe(theirs)}: the simulator must run the served model (leave the "
+                          "preset out to use its config.json)")
+    return args.preset
+
+
+def shape(model) -> tuple:
+    """What a preset must share with the served model: the layers, heads and cache that size its pool."""
+    return (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim, model.attention_kinds,
+            model.kv_lora_rank + model.qk_rope_head_dim)
+
+
+def describe(model) -> str:
+    kv = (f"an MLA latent of {model.kv_lora_rank + model.qk_rope_head_dim}" if model.uses_mla
+          else f"{model.num_kv_heads} K/V heads of {model.head_dim}")
+    return f"{model.num_layers} layers, {model.num_heads} heads, {kv} ({model.name})"

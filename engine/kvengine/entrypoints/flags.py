@@ -19,6 +19,8 @@ def add_model_flags(p: argparse.ArgumentParser, default_preset: str = "llama-3-8
                     default_device: str = "h100-80gb") -> None:
     p.add_argument("--preset", default=default_preset, metavar="MODEL",
                    help=f"model preset: {', '.join(MODEL_PRESETS)} (default: %(default)s)")
+    p.add_argument("--hf-config", dest="preset", metavar="PATH",
+                   help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
     p.add_argument("--device", default=default_device, metavar="DEVICE",
                    help=f"device preset: {', '.join(DEVICE_PRESETS)} (default: %(default)s)")
 

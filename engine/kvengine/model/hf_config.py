@@ -273,6 +273,17 @@ def model_spec_from_hf(path, name: str | None = None, quantization: str | None =
     return spec_from_config(read_config(path), name or Path(path).resolve().name, source, quantization)
 
 
+def model_spec_from_config_path(path, quantization: str | None = None) -> ModelSpec:
+    """A config.json, or a folder holding one, named after its folder (or the file, when it
+    is not called config.json): what --hf-config and a --preset path read."""
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json there")
+    name = file.resolve().parent.name if file.name == "config.json" else file.stem
+    return spec_from_config(read_json(file, file), name, str(file), quantization)
+
+
 def preset_specs() -> dict[str, ModelSpec]:
     """The shipped presets, kvengine/model/configs/NAME.json, by NAME."""
     return {f.stem: spec_from_config(read_json(f.name, f), f.stem, str(f))
