@@ -58,6 +58,8 @@ def add_search_command(sub) -> None:
                                     "else llama-3-8b)")
     g.add_argument("--device", default="h100-80gb", help="device preset (default: %(default)s)")
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="GPUs one replica is split over, fixed for every trial (default: %(default)s)")
     g.add_argument("--profile", metavar="NAME",
                    help="a calibrated cost profile (kvtune calibrate --name NAME) for stage 1; its model and "
                         "device replace --preset/--device")
@@ -136,7 +138,8 @@ def _search(args, live_targets: list) -> int:
     request = SearchRequest(
         workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
         preset=args.preset, device=args.device, study=_study_name(args), db_url=db_url, trials=args.trials,
-        sampler=args.sampler, seed=args.seed, max_model_len=args.max_model_len, heartbeat_s=args.heartbeat,
+        sampler=args.sampler, seed=args.seed, max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, heartbeat_s=args.heartbeat,
         profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
         top_k=args.top_k, live_head=args.live_head,
         plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget))

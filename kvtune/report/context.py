@@ -113,7 +113,8 @@ def _stage1(data: ReportData) -> str:
     costs = (f"step times from the calibrated cost profile `{profile}`" if profile
              else "step times from the roofline cost model (not calibrated to a real server)")
     return (f"**Stage 1** ran on the **simulator**: kvengine's scheduler and KV cache manager replaying the trace "
-            f"in virtual time, model preset `{info.preset}` on the simulated device {_device_text(info.device)}, "
+            f"in virtual time, model `{info.model}` on the simulated device {_device_text(info.device)}"
+            + (f" × {info.tensor_parallel_size} (tensor parallel)" if info.tensor_parallel_size > 1 else "") + ", "
             f"{costs}. No real GPU ran these trials.")
 
 

@@ -49,7 +49,7 @@ def _scope(data: ReportData) -> str:
     info = data.info
     ran = [t for t in data.trials if not t.surplus]
     failed = sum(t.state == "FAIL" for t in ran)
-    text = (f"Study **{info.name}** tuned the KV cache of `{info.preset}` on `{info.device}`"
+    text = (f"Study **{info.name}** tuned the KV cache of `{info.model}` on `{info.on}`"
             + (f" for the workload `{info.workload}`" if info.workload else "") + ". "
             f"Objective: {objective_text(info)}. "
             + (f"SLOs: {', '.join(slo_text(s) for s in info.slos)}. " if info.slos else "No SLOs were set. ")

@@ -59,6 +59,7 @@ class SearchRequest:
     sampler: str = "tpe"
     seed: int = 0
     max_model_len: int | None = None
+    tensor_parallel_size: int = 1  # fixed for every trial: the GPUs one replica spans
     heartbeat_s: float = 30.0
     profile: str | None = None  # a calibrated cost profile's name
     live: object | None = None  # the live target (its rules, check and run); None: stage 1 only
@@ -83,7 +84,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     """Run `req`; `say` hears each note and stage line, `stage1_progress(trials)` gives the context whose
     value is told of each stage-1 trial, `on_live` of each live run."""
     model, device = req.sim.model, req.sim.device
-    base = EngineConfig(max_model_len=req.max_model_len)
+    base = EngineConfig(max_model_len=req.max_model_len, tensor_parallel_size=req.tensor_parallel_size)
     space, sim_base, default = req.space, base, base.resolve(model, device)
     live = req.live
     if live is not None:
@@ -106,7 +107,8 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
              "slos": [str(s) for s in slos],
              "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
              "space": {k.name: knob_text(k) for k in space.knobs},
-             "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype}
+             "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype,
+             "tensor_parallel_size": req.tensor_parallel_size, "model": model.name}
     study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
                        attrs)
     stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials)
@@ -115,8 +117,9 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     study.set_user_attr("environment", host_environment())  # where this search ran, for the report
     if representable(space, dflt):
         stage1.enqueue(dflt)
-    say(f"study {req.study!r} in {store.display_url}: {req.trials} stage-1 trials of {req.preset} on "
-        f"{req.device}, objective {req.objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
+    gpus = f"{req.tensor_parallel_size} × " if req.tensor_parallel_size > 1 else ""
+    say(f"study {req.study!r} in {store.display_url}: {req.trials} stage-1 trials of {model.name} on "
+        f"{gpus}{req.device}, objective {req.objective.kind}" + (f", SLOs {', '.join(map(str, slos))}" if slos else ""))
     with (stage1_progress or (lambda _n: nullcontext(None)))(req.trials) as on_trial:
         if on_trial is not None:
             stage1.on_trial = on_trial

@@ -36,6 +36,14 @@ class StudyInfo:
     space: dict = field(default_factory=dict)  # knob -> the range searched, as text
     default_params: dict | None = None  # the live target's own default, as the search ran it
     live_requests: int | None = None  # stage 2 replayed only the first N requests (--live-head)
+    tensor_parallel_size: int = 1  # GPUs one replica spans, fixed for the study
+    model: str | None = None  # the simulated model's name (`preset` may be its config.json's path)
+
+    @property
+    def on(self) -> str:
+        """Where the study ran: the device, times the GPUs of one replica."""
+        tp = self.tensor_parallel_size or 1
+        return f"{tp} × {self.device} (tensor parallel)" if tp > 1 else str(self.device)
 
 
 @dataclass
@@ -121,7 +129,8 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         workload=attrs.get("workload"), preset=attrs.get("preset") or (first_run and first_run.model),
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
-        live_requests=attrs.get("live_requests"))
+        live_requests=attrs.get("live_requests"), tensor_parallel_size=attrs.get("tensor_parallel_size") or 1,
+        model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model))
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:

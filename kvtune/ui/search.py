@@ -172,7 +172,7 @@ def render() -> None:
 
 def show_study(view: data.StudyView) -> None:
     report, info = view.report, view.report.info
-    st.markdown(f"**{info.name}**: `{info.preset}` on `{info.device}`"
+    st.markdown(f"**{info.name}**: `{info.model}` on `{info.on}`"
                 + (f", workload `{info.workload}`" if info.workload else "")
                 + f". Objective: {objective_text(info)}. "
                 + (f"SLOs: {', '.join(slo_text(s) for s in info.slos)}." if info.slos else "No SLOs."))
