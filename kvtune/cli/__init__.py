@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,9 @@ def _on_signal(signum, _frame):
         return  # a second signal must not cut short the unwinding the first one started
     _Stop.signum = _Stop.signum or signum
     _Stop.redeliver = False
+    # The exception can land in SQLAlchemy's connection-reset finalizer, which logs it as a traceback
+    # before passing it on: the stop is under way, so the pool's own log is quieted.
+    logging.getLogger("sqlalchemy.pool").setLevel(logging.CRITICAL)
     raise KeyboardInterrupt if _Stop.signum == signal.SIGINT else Terminated(_Stop.signum)
 
 
