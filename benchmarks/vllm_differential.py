@@ -3,6 +3,7 @@
 Scheduler, step by step, on random step traces.
 
     python benchmarks/vllm_differential.py --seeds 2000 --json
+    python benchmarks/vllm_differential.py --seeds 500 --hybrid --json   # full + sliding-window groups
     python benchmarks/vllm_differential.py --seeds 50 --start 1000 --save-dir /tmp/div
 
 Each seed makes one trace (random_trace); both sides run it one token per step with
@@ -27,7 +28,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvengine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvengine.core.kv_cache_manager import KVCacheManager
+from kvengine.core.memory import KVGroups
 from kvengine.config import EngineConfig
 from kvengine.core.request import Request, SamplingParams
 from kvengine.core.scheduler import Scheduler
@@ -107,7 +110,8 @@ def _pool_blocks(rng: random.Random, requests: list[dict], bs: int, max_model_le
     return max(least, blocks) + 1  # + the null block
 
 
-def random_trace(seed: int) -> dict:
+def random_trace(seed: int, hybrid: bool = False) -> dict:
+    """One random trace; `hybrid`: its pool serves a full-attention group and a sliding-window one."""
     rng = random.Random(seed)
     bs = rng.choice((8, 16, 16))
     max_model_len = rng.choice((128, 256, 512, 1024))
@@ -129,7 +133,13 @@ def random_trace(seed: int) -> dict:
                          "max_tokens": max_tokens, "arrival_step": arrival})
     config = _config(rng, bs, max_model_len)
     config["num_blocks"] = _pool_blocks(rng, requests, bs, max_model_len)
-    trace = {"name": f"seed-{seed}", "config": config, "requests": requests, "aborts": []}
+    if hybrid:  # groups draw on the one pool: blocks for each, and a window of a few blocks
+        kinds = rng.choice((["full", "sliding"], ["sliding", "full"], ["full", "sliding", "sliding"], ["sliding"]))
+        config["num_blocks"] = len(kinds) * config["num_blocks"]
+        config["kv_groups"] = {"kinds": kinds,
+                               "window": rng.choice((bs // 2, bs, bs + 1, 2 * bs, 3 * bs - 1, 5 * bs))}
+    trace = {"name": f"seed-{seed}" + ("-hybrid" if hybrid else ""), "config": config, "requests": requests,
+             "aborts": []}
     if rng.random() < 0.35:
         trace["aborts"] = _aborts(rng, trace)
     return trace
@@ -169,8 +179,15 @@ def build_kvengine(config: dict) -> Scheduler:
                        long_prefill_token_threshold=config.get("long_prefill_token_threshold", 0),
                        enable_chunked_prefill=config.get("enable_chunked_prefill", True),
                        enable_prefix_caching=config.get("enable_prefix_caching", True))
-    kv = KVCacheManager(config["num_blocks"], config["block_size"], config["max_model_len"],
-                        enable_caching=cfg.enable_prefix_caching)
+    groups = config.get("kv_groups")
+    if groups:  # layer groups of several kinds: vLLM's hybrid coordinator
+        kv = HybridKVCacheManager(config["num_blocks"], config["block_size"], config["max_model_len"],
+                                  KVGroups(1, tuple(groups["kinds"]), groups.get("window")),
+                                  enable_caching=cfg.enable_prefix_caching,
+                                  in_flight_tokens=cfg.max_num_batched_tokens)  # one step in flight
+    else:
+        kv = KVCacheManager(config["num_blocks"], config["block_size"], config["max_model_len"],
+                            enable_caching=cfg.enable_prefix_caching)
     return Scheduler(cfg, kv)
 
 
@@ -427,13 +444,14 @@ def schedule_cost(driver: VllmDriver, min_running: int = 250) -> dict:
 
 
 # -- CLI -----------------------------------------------------------------------
-def run_seeds(seeds: list[int], python: str, jobs: int, log) -> tuple[list, list]:
-    """(divergent [(seed, Divergence)], errors [(seed, str)]): `jobs` drivers, round robin."""
+def run_seeds(seeds: list[int], python: str, jobs: int, log, hybrid: bool = False) -> tuple[list, list]:
+    """(divergent [(seed, Divergence)], errors [(seed, str)]): `jobs` drivers, round robin; `hybrid`:
+    traces whose pool serves full and sliding-window layer groups."""
     drivers = [VllmDriver(python) for _ in range(jobs)]
     divergent, errors = [], []
     try:
         for start in range(0, len(seeds), jobs):
-            batch = [(s, random_trace(s)) for s in seeds[start:start + jobs]]
+            batch = [(s, random_trace(s, hybrid)) for s in seeds[start:start + jobs]]
             for d, (_, trace) in zip(drivers, batch):
                 d.submit(trace)
             ours = [run_kvengine(trace) for _, trace in batch]
@@ -455,12 +473,12 @@ def run_seeds(seeds: list[int], python: str, jobs: int, log) -> tuple[list, list
     return divergent, errors
 
 
-def report_divergence(seed: int, python: str, save_dir: str | None, log) -> dict:
+def report_divergence(seed: int, python: str, save_dir: str | None, log, hybrid: bool = False) -> dict:
     with VllmDriver(python) as driver:
         def diverges(trace):
             div, error = compare(trace, driver)
             return None if error else div
-        small = shrink(random_trace(seed), diverges, log)
+        small = shrink(random_trace(seed, hybrid), diverges, log)
         div, theirs = diverges(small), driver.run(small)
     if div is None:
         log(f"seed {seed} does not diverge")
@@ -486,6 +504,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-shrink", action="store_true", help="do not shrink the first divergence")
     ap.add_argument("--no-cost", action="store_true", help="skip the schedule() cost measurement")
     ap.add_argument("--save-dir", help="write the shrunk divergent trace here")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="traces of a model with full and sliding-window layer groups (vLLM's hybrid coordinator)")
     ap.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     args = ap.parse_args(argv)
     if not Path(args.vllm_python).exists():
@@ -496,7 +516,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     seeds = list(range(args.start, args.start + args.seeds))
-    divergent, errors = run_seeds(seeds, args.vllm_python, max(1, args.jobs), log)
+    divergent, errors = run_seeds(seeds, args.vllm_python, max(1, args.jobs), log, args.hybrid)
     log(f"{len(seeds)} traces, {len(divergent)} divergent, {len(errors)} errors "
         f"in {time.perf_counter() - t0:.0f} s")
     for seed, err in errors[:5]:
@@ -505,7 +525,7 @@ def main(argv=None) -> int:
     if divergent:
         seed, div = divergent[0]
         first = {"seed": seed, **asdict(div)} if args.no_shrink else \
-            report_divergence(seed, args.vllm_python, args.save_dir, log)
+            report_divergence(seed, args.vllm_python, args.save_dir, log, args.hybrid)
     cost = None
     if not args.no_cost:
         with VllmDriver(args.vllm_python) as driver:

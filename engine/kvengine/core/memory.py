@@ -58,8 +58,12 @@ class KVGroups:
         full = -(-context_len // block_size)
         if self.window is None:
             return full * len(self.kinds)
-        window = -(-min(self.window - 1 + in_flight_tokens, context_len) // block_size) + 1
+        window = self.sliding_blocks(context_len, block_size, in_flight_tokens)
         return sum(window if kind == "sliding" else full for kind in self.kinds)
+
+    def sliding_blocks(self, context_len: int, block_size: int, in_flight_tokens: int) -> int:
+        """A sliding group's most blocks for one request (vLLM's max_admission_blocks_per_request)."""
+        return -(-min(self.window - 1 + in_flight_tokens, context_len) // block_size) + 1
 
 
 def kv_groups(model: ModelSpec) -> KVGroups:

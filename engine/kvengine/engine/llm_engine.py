@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvengine.core.kv_cache_manager import KVCacheManager
+from kvengine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvengine.engine.clock import VirtualClock, WallClock
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.core.contiguous import ContiguousKVCacheManager
@@ -79,6 +80,13 @@ class LLMEngine:
 
     def _make_kv_manager(self, num_blocks: int) -> KVManager:
         cfg = self.config
+        groups = self.memory.groups
+        # Layers of several kinds, or windowed ones, take vLLM's per-group tables in the simulator; the
+        # torch executor reads every block of a request, so it keeps one table (its window is a mask).
+        if (cfg.kv_allocator == "paged" and isinstance(self.executor, SimExecutor)
+                and groups is not None and groups.kinds != ("full",) and groups.kinds != ("mla",)):
+            return HybridKVCacheManager(num_blocks, cfg.block_size, cfg.max_model_len, groups,
+                                        cfg.enable_prefix_caching, self.memory.in_flight_tokens)
         cls = ContiguousKVCacheManager if cfg.kv_allocator == "contiguous" else KVCacheManager
         return cls(num_blocks, cfg.block_size, cfg.max_model_len, cfg.enable_prefix_caching)
 
