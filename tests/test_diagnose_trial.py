@@ -136,9 +136,22 @@ def test_a_simulator_that_does_not_show_the_fault_leaves_the_fix_untested():
     assert "does not show F6 on this workload" in f6.fix and not f6.tried
 
 
-def test_more_gpus_are_not_simulated_and_no_simulator_says_why():
-    f8 = tried("F6", [FlagChange("--tensor-parallel-size", 1, 2)])
-    assert f8.trials[0].verdict == UNTESTED and "a change of hardware" in f8.fix
+def test_more_gpus_are_tried_on_the_simulator_with_the_pool_they_give():
+    """The simulator runs one GPU of T: TP 2 halves the weights and the K/V heads each GPU holds, so the
+    server's mirrored pool grows by what kvengine's memory plan says (more than twice), and the fix is
+    tried. With an override in force the pool stays: only the faster steps (each GPU reads half the
+    weights, then the two all-reduces a layer) are tried."""
+    mirrored = tight_run()  # a pool the server sized from memory: 300 blocks reported
+    two = changed_config(mirrored, mirrored_config(mirrored), FlagChange("--tensor-parallel-size", 1, 2))
+    assert two.tensor_parallel_size == 2 and two.num_gpu_blocks_override > 2 * POOL_BLOCKS
+    f6 = tried("F6", [FlagChange("--tensor-parallel-size", 1, 2)], result=mirrored)
+    assert f6.trials[0].verdict == HELPED, f6.fix
+    pinned = dataclasses.replace(mirrored, config=dict(mirrored.config, num_gpu_blocks_override=POOL_BLOCKS))
+    overridden = changed_config(pinned, mirrored_config(pinned), FlagChange("--tensor-parallel-size", 1, 2))
+    assert overridden.num_gpu_blocks_override == POOL_BLOCKS and overridden.tensor_parallel_size == 2
+
+
+def test_no_simulator_says_why_the_fixes_are_untested():
     plain = {d.id: d for d in diagnose(tight_run())}["F6"]
     [plain] = try_fixes([plain], tight_run(), None, Thresholds(), why_none="no trace at hand")
     assert plain.fix.endswith("[untested: no trace at hand]")

@@ -33,6 +33,10 @@ class DeviceSpec:
     # torch executor really runs on the CPU, as vLLM's CPU build does; every preset,
     # the `cpu` one included, keeps the GPU defaults the sim was calibrated with.
     platform: str = "cuda"
+    # Between the GPUs of one tensor-parallel group: each direction's bandwidth (bytes/s) and one
+    # all-reduce's fixed latency, what a step pays twice a layer (vLLM's row-parallel reductions).
+    interconnect_bandwidth: float = 32e9  # PCIe Gen4 x16
+    allreduce_latency_s: float = 20e-6
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,20 @@ MODEL_PRESETS: dict[str, ModelSpec] = preset_specs()
 #   A100 SXM 80GB / 40GB: NVIDIA A100 datasheet (2,039 GB/s / 1,555 GB/s, 312 TFLOPS BF16 dense)
 #   A10 24GB: NVIDIA A10 datasheet (600 GB/s GDDR6, 125 TFLOPS BF16 dense)
 #   L4 24GB: NVIDIA L4 datasheet (300 GB/s GDDR6, 121 TFLOPS BF16 dense)
+# NVLink per direction: 450 GB/s on H100/H200 SXM (NVLink 4, 900 GB/s total), 300 GB/s on A100
+# SXM (NVLink 3, 600 GB/s total); A10 and L4 talk over PCIe Gen4 x16 (DeviceSpec's default).
+# The all-reduce latencies are typical NCCL small-message figures, to be replaced by calibration.
 # `cpu` is a rough 2-core x86 server (DDR bandwidth share, AVX2 FP32), an estimate,
 # meant only to be replaced by a calibrated profile.
+NVLINK4 = {"interconnect_bandwidth": 450e9, "allreduce_latency_s": 8e-6}
+NVLINK3 = {"interconnect_bandwidth": 300e9, "allreduce_latency_s": 10e-6}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, large_memory=True),
-        DeviceSpec("h200-141gb", 141 * GiB, 4.8e12, 989e12, large_memory=True),
-        DeviceSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12),
-        DeviceSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12),
+        DeviceSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, large_memory=True, **NVLINK4),
+        DeviceSpec("h200-141gb", 141 * GiB, 4.8e12, 989e12, large_memory=True, **NVLINK4),
+        DeviceSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12, **NVLINK3),
+        DeviceSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12, **NVLINK3),
         DeviceSpec("a10-24gb", 24 * GiB, 600e9, 125e12),
         DeviceSpec("l4-24gb", 24 * GiB, 300e9, 121e12),
         DeviceSpec("cpu", 16 * GiB, 20e9, 100e9, non_torch_overhead_bytes=256 << 20),

@@ -47,11 +47,10 @@ FIELDS = {"--kv-cache-dtype": "kv_cache_dtype", "--max-num-seqs": "max_num_seqs"
           "--enable-chunked-prefill": "enable_chunked_prefill",
           "--gpu-memory-utilization": "gpu_memory_utilization",
           "--kv-cache-memory-bytes": "kv_cache_memory_bytes", "--num-gpu-blocks-override": "num_gpu_blocks_override",
-          CPU_KV_SPACE: CPU_KV_SPACE}
+          "--tensor-parallel-size": "tensor_parallel_size", CPU_KV_SPACE: CPU_KV_SPACE}
 SIZE_KNOBS = ("--num-gpu-blocks-override", "--kv-cache-memory-bytes", CPU_KV_SPACE)
 GROWTHS = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 POOL_FAULTS = ("F1", "F6", "F8")  # a pool too small: fixed only with room to spare
-NOT_SIMULATED = {"--tensor-parallel-size": "a change of hardware: the simulator runs one device"}
 
 
 @dataclass
@@ -280,7 +279,7 @@ def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) ->
         return _scaled(config, fp8_gain(result))
     if name == "block_size":
         return _scaled(config, base.block_size / value)
-    if name in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+    if name in ("gpu_memory_utilization", "kv_cache_memory_bytes", "tensor_parallel_size"):
         ratio = _pool_ratio(result, name, change)
         return _scaled(config, ratio) if ratio else "the pool this gives on the server is not known to the simulator"
     return config
@@ -288,8 +287,6 @@ def changed_config(result: RunResult, base: EngineConfig, change: FlagChange) ->
 
 def apply_change(config: EngineConfig, change: FlagChange) -> EngineConfig | str:
     """The engine config with the flag set as the change asks, or why no engine flag does that."""
-    if change.flag in NOT_SIMULATED:
-        return NOT_SIMULATED[change.flag]
     name = FIELDS.get(change.flag)
     if name is None or name == CPU_KV_SPACE:
         return f"{change.flag} is not a knob of the simulator"
@@ -304,7 +301,7 @@ def _scaled(config: EngineConfig, ratio: float) -> EngineConfig:
 def _pool_ratio(result: RunResult, name: str, change: FlagChange) -> float | None:
     if name == "kv_cache_memory_bytes":
         return change.new / change.old if change.old else None
-    old, new = replan(result), replan(result, gpu_memory_utilization=change.new)
+    old, new = replan(result), replan(result, **{name: change.new})
     return new.num_gpu_blocks / old.num_gpu_blocks if old and new and old.num_gpu_blocks else None
 
 

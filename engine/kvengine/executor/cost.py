@@ -254,6 +254,14 @@ class StepCost:
     attention_key_block: int  # these two as in CostCoefficients: step_shape counts the pairs with them
     context_chunk_all_keys: bool
     block_size: int  # step_shape counts the gathered tokens in whole blocks
+    # Mixture of experts: the routed experts' bytes, of which a step reads the share its tokens pick,
+    # 1 - expert_miss ** tokens (each token picks k of E experts, uniformly: the expected distinct ones).
+    routed_expert_bytes: float = 0.0
+    expert_miss: float = 1.0  # 1 - k / E
+    # Tensor parallelism: two all-reduces of the hidden states a layer, each a fixed latency plus a
+    # ring's 2 (T - 1) / T of the bytes over the interconnect, not overlapped with the compute.
+    allreduce_s: float = 0.0
+    allreduce_s_per_token: float = 0.0
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
@@ -268,11 +276,15 @@ class StepCost:
         vocab_matrix = model.vocab_size * model.hidden_size
         gathered_embedding = 0 if model.tie_word_embeddings else vocab_matrix
         vocab_matrices = 1 if model.tie_word_embeddings else 2
+        experts, routed = model.num_experts, model.routed_expert_params
+        active = model.num_params - routed * (1 - model.num_experts_per_tok / experts) if experts else model.num_params
+        tp, ring = model.tensor_parallel_size, 2 * (model.tensor_parallel_size - 1) / model.tensor_parallel_size
+        reductions = 2 * model.num_layers if tp > 1 else 0
         return cls(
-            weight_bytes=float((model.num_params - gathered_embedding) * model.dtype_bytes),
+            weight_bytes=float(model.weight_bytes - gathered_embedding * model.dtype_bytes - model.routed_expert_bytes),
             kv_read_bytes_per_token=kv_token / block_eff,
             kv_write_bytes_per_token=float(kv_token),
-            flops_per_token=2.0 * (model.num_params - vocab_matrices * vocab_matrix),
+            flops_per_token=2.0 * (active - vocab_matrices * vocab_matrix),
             flops_per_sample=2.0 * vocab_matrix,
             attention_flops_per_pair=attn_pair,
             bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
@@ -290,6 +302,10 @@ class StepCost:
             attention_key_block=c.attention_key_block,
             context_chunk_all_keys=c.context_chunk_all_keys,
             block_size=block_size,
+            routed_expert_bytes=float(model.routed_expert_bytes),
+            expert_miss=1 - model.num_experts_per_tok / experts if experts else 1.0,
+            allreduce_s=reductions * device.allreduce_latency_s,
+            allreduce_s_per_token=reductions * ring * model.hidden_size * model.dtype_bytes / device.interconnect_bandwidth,
         )
 
     def step_time(self, shape: StepShape) -> float:
@@ -311,12 +327,13 @@ class StepCost:
     def _seconds(self, maximum, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
                  num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs, gathered_tokens):
         """The roofline of one step (or of arrays of them: `maximum` is max or np.maximum)."""
-        mem = (self.weight_bytes + context_tokens * self.kv_read_bytes_per_token
-               + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
+        mem = (self.weight_bytes + self.routed_expert_bytes * (1 - self.expert_miss ** num_tokens)
+               + context_tokens * self.kv_read_bytes_per_token + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
                    + ((attention_token_pairs - decode_token_pairs - context_chunk_pairs) / self.attention_flops_per_s
                       + decode_token_pairs / self.decode_attention_flops_per_s
                       + context_chunk_pairs / self.context_attention_flops_per_s) * self.attention_flops_per_pair)
-        return (maximum(mem, compute) + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
+        return (maximum(mem, compute) + self.allreduce_s + num_tokens * self.allreduce_s_per_token
+                + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
                 + gathered_tokens * self.kv_dequant_s_per_token + self.quantized_step_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)

@@ -119,6 +119,19 @@ class ModelSpec:
         return linear, router + embed + (2 * self.num_layers + 1) * h
 
     @property
+    def routed_expert_params(self) -> int:
+        """The routed experts' weights in every MoE layer: a step reads only the experts its tokens pick."""
+        if not self.num_experts:
+            return 0
+        return (self.num_layers - self.num_dense_layers) * self.num_experts * 3 * self.hidden_size \
+            * self.moe_intermediate_size
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        per = WEIGHT_QUANT_BYTES[self.weight_quant] if self.weight_quant else self.dtype_bytes
+        return math.ceil(self.routed_expert_params * per)
+
+    @property
     def num_params(self) -> int:
         linear, kept = self._other_params()
         return linear + self._expert_params() + kept
