@@ -229,3 +229,27 @@ def test_the_simulator_holds_a_window_of_a_sliding_groups_blocks():
     assert held() == {"full": 500, "sliding": 500}
     engine.step()  # the first decode: blocks wholly before the window (8,000 - 4,096 + 1 tokens) are freed
     assert held() == {"full": 501, "sliding": 501 - (8000 - 4096 + 1) // 16}
+
+
+def test_search_chooses_tensor_parallelism_and_replicas_for_the_gpus_given(tmp_path, capsys):
+    """--gpus 8: TP among 8's divisors, 8 / TP replicas sharing the traffic; TP 1 cannot hold a 70B model
+    on one H100, and the report says what the replicas assume."""
+    import importlib.resources
+
+    from kvtune.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    lines = (importlib.resources.files("kvtune") / "data" / "demo_traces.jsonl").read_text().splitlines()
+    trace.write_text("\n".join(lines[:60]) + "\n")
+    common = ["search", "--workload", str(trace), "--preset", "llama-3.1-70b", "--device", "h100-80gb",
+              "--gpus", "8", "--max-model-len", "8192", "--db", f"sqlite:///{tmp_path}/k.db"]
+    code = main([*common, "--target", "none", "--trials", "8", "--seed", "3", "--space", "tensor_parallel_size=1,2,8",
+                 "--report-dir", str(tmp_path / "report")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert rows and all(r[5] in ("2", "8") for r in rows)  # TP 1 never fits: its trials failed
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "With 8 GPUs, each config serves 8 / TP replicas" in report and "split evenly" in report
+    assert main([*common, "--target", "engine", "--trials", "2"]) == 2  # a live run cannot serve the layouts
+    assert "--gpus compares replica layouts on the simulator only" in capsys.readouterr().err

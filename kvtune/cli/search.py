@@ -60,6 +60,9 @@ def add_search_command(sub) -> None:
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="GPUs one replica is split over, fixed for every trial (default: %(default)s)")
+    g.add_argument("--gpus", type=positive_int, metavar="N",
+                   help="the GPUs to serve with: stage 1 also chooses TP among N's divisors (unless "
+                        "--tensor-parallel-size fixes it), N / TP replicas sharing the traffic evenly")
     g.add_argument("--profile", metavar="NAME",
                    help="a calibrated cost profile (kvtune calibrate --name NAME) for stage 1; its model and "
                         "device replace --preset/--device")
@@ -139,7 +142,7 @@ def _search(args, live_targets: list) -> int:
         workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
         preset=args.preset, device=args.device, study=_study_name(args), db_url=db_url, trials=args.trials,
         sampler=args.sampler, seed=args.seed, max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, heartbeat_s=args.heartbeat,
+        tensor_parallel_size=args.tensor_parallel_size, gpus=args.gpus, heartbeat_s=args.heartbeat,
         profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
         top_k=args.top_k, live_head=args.live_head,
         plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget))
@@ -232,8 +235,9 @@ def _final_table(data, objective: Objective) -> str:
     """The compared configs, best first, the default last: stage 1's value and the live runs'
     mean with its interval (n runs)."""
     unit = "" if objective.kind == "capacity" else " req/s"
-    lines = [f"{'config':>10}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>9}  {'sim value':>12}  "
-             f"{'live mean [95% interval] (runs)':>34}  feasible"]
+    tp = any("tensor_parallel_size" in c.params for c in data.candidates)
+    lines = [f"{'config':>10}  {'block':>5} {'util':>5} {'seqs':>5} {'kv':>9}" + (f" {'tp':>3}" if tp else "")
+             + f"  {'sim value':>12}  {'live mean [95% interval] (runs)':>34}  feasible"]
     for c in data.candidates:
         p = c.params
         util = p.get("gpu_memory_utilization")
@@ -247,5 +251,7 @@ def _final_table(data, objective: Objective) -> str:
         feas = "-" if m is None or not m.ok else ("yes" if m.feasible else "no")
         label = "default" if c.is_default else c.label.replace("trial ", "")
         lines.append(f"{label:>10}  {p.get('block_size', '-'):>5} {'-' if util is None else f'{util:.2f}':>5} "
-                     f"{p.get('max_num_seqs', '-'):>5} {p.get('kv_cache_dtype', '-'):>9}  {sim:>12}  {live:>34}  {feas}")
+                     f"{p.get('max_num_seqs', '-'):>5} {p.get('kv_cache_dtype', '-'):>9}"
+                     + (f" {p.get('tensor_parallel_size', '-'):>3}" if tp else "")
+                     + f"  {sim:>12}  {live:>34}  {feas}")
     return "\n".join(lines)

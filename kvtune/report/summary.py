@@ -53,7 +53,11 @@ def _scope(data: ReportData) -> str:
             + (f" for the workload `{info.workload}`" if info.workload else "") + ". "
             f"Objective: {objective_text(info)}. "
             + (f"SLOs: {', '.join(slo_text(s) for s in info.slos)}. " if info.slos else "No SLOs were set. ")
-            + f"Stage 1 ran {len(ran)} trials on the simulator ({failed} failed). ")
+            + f"Stage 1 ran {len(ran)} trials on the simulator ({failed} failed). "
+            + (f"With {info.gpus} GPUs, each config serves {info.gpus} / TP replicas: the figures assume the "
+               "traffic split evenly among them (a balancer spreading requests, no prefix cache shared across "
+               "replicas); the simulator ran one replica at its share of the rate and the requests per second "
+               "are all the replicas'. " if info.gpus else ""))
     if data.live:
         where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
         configs = len({tuple(sorted(m.params.items())) for m in data.live})

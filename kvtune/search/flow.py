@@ -21,7 +21,7 @@ from ..workload import Workload, head
 from .objective import Objective
 from .results import ReportData, load_report_data
 from .slo import diagnosis_thresholds
-from .space import SearchSpace
+from .space import SearchSpace, tensor_parallel_knob
 from .stage2 import (
     LiveOutcome,
     LivePlan,
@@ -60,6 +60,7 @@ class SearchRequest:
     seed: int = 0
     max_model_len: int | None = None
     tensor_parallel_size: int = 1  # fixed for every trial: the GPUs one replica spans
+    gpus: int | None = None  # the GPUs to serve with: TP searched among its divisors (unless fixed), gpus / TP replicas
     heartbeat_s: float = 30.0
     profile: str | None = None  # a calibrated cost profile's name
     live: object | None = None  # the live target (its rules, check and run); None: stage 1 only
@@ -87,6 +88,20 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     base = EngineConfig(max_model_len=req.max_model_len, tensor_parallel_size=req.tensor_parallel_size)
     space, sim_base, default = req.space, base, base.resolve(model, device)
     live = req.live
+    if req.gpus:
+        if live is not None:
+            raise SearchError("--gpus compares replica layouts on the simulator only (--target none): a live "
+                              "run would have to serve each layout's replicas", 2)
+        if req.gpus % req.tensor_parallel_size:
+            raise SearchError(f"--tensor-parallel-size {req.tensor_parallel_size} does not divide --gpus {req.gpus}", 2)
+        asked = next((k for k in space.knobs if k.name == "tensor_parallel_size"), None)
+        if asked is not None and any(req.gpus % tp for tp in asked.grid()):
+            raise SearchError(f"--space tensor_parallel_size: every value must divide --gpus {req.gpus}", 2)
+        if asked is None and req.tensor_parallel_size == 1:
+            space = space.with_knobs({"tensor_parallel_size": tensor_parallel_knob(model, req.gpus)})
+        say(f"note: {req.gpus} GPUs: each config serves {req.gpus} / TP replicas, the traffic split evenly among "
+            "them (a balancer spreading requests; prefix caches are not shared across replicas); the simulator "
+            "runs one replica at its share of the rate and counts requests per second for all of them")
     if live is not None:
         # the live target's own rules: what it takes, what it runs when given no flags, its pool
         space, notes = space.for_target(live.rules, req.explicit_knobs)
@@ -108,10 +123,10 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
              "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
              "space": {k.name: knob_text(k) for k in space.knobs},
              "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype,
-             "tensor_parallel_size": req.tensor_parallel_size, "model": model.name}
+             "tensor_parallel_size": req.tensor_parallel_size, "model": model.name, "gpus": req.gpus}
     study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
                        attrs)
-    stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials)
+    stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials, gpus=req.gpus)
     dflt = default_params(space, default)
     study.set_user_attr("default_params", dflt)  # the report's and the UI's "default" is this one
     study.set_user_attr("environment", host_environment())  # where this search ran, for the report

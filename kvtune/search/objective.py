@@ -54,6 +54,13 @@ class Objective:
             latency = result.summary.get(self.latency)
         return [sc.throughput_rps, latency if latency is not None else math.inf]
 
+    def for_replicas(self, values: list[float], replicas: int) -> list[float]:
+        """A replica's values for `replicas` of them sharing the traffic evenly: requests per second
+        add up; a capacity (a rate scale of the whole workload) and a latency stay as they are."""
+        if replicas == 1 or self.kind == "capacity":
+            return values
+        return [values[0] * replicas, *values[1:]]
+
     def evaluate(self, run, config: EngineConfig, workload: Workload) -> tuple[list[float], Score, RunResult]:
         """Run `config` (through `run(config, workload) -> RunResult`) and score it."""
         if self.kind != "capacity":

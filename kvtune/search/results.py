@@ -38,6 +38,7 @@ class StudyInfo:
     live_requests: int | None = None  # stage 2 replayed only the first N requests (--live-head)
     tensor_parallel_size: int = 1  # GPUs one replica spans, fixed for the study
     model: str | None = None  # the simulated model's name (`preset` may be its config.json's path)
+    gpus: int | None = None  # --gpus: each config served gpus / TP replicas, the traffic split evenly
 
     @property
     def on(self) -> str:
@@ -130,7 +131,7 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
         live_requests=attrs.get("live_requests"), tensor_parallel_size=attrs.get("tensor_parallel_size") or 1,
-        model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model))
+        model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model), gpus=attrs.get("gpus"))
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:

@@ -11,6 +11,7 @@ max_num_seqs=32:512:log`) or a YAML file:
     kv_cache_dtype: [auto, fp8]
     max_num_batched_tokens: [4096, 8192]     # optional knob
     enable_prefix_caching: [true, false]     # optional knob
+    tensor_parallel_size: [1, 2, 4, 8]       # what `kvtune search --gpus N` adds: divisors of N
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import yaml
 from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 
 KNOBS = ("block_size", "gpu_memory_utilization", "max_num_seqs", "kv_cache_dtype",
-         "max_num_batched_tokens", "enable_prefix_caching")
+         "max_num_batched_tokens", "enable_prefix_caching", "tensor_parallel_size")
 
 
 class SpaceError(ValueError):
@@ -42,7 +43,7 @@ class Knob:
 
     @property
     def is_int(self) -> bool:
-        return self.name in ("max_num_seqs", "max_num_batched_tokens", "block_size")
+        return self.name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
 
     def suggest(self, trial):
         if self.choices is not None:
@@ -136,6 +137,21 @@ class SearchSpace:
         return dataclasses.replace(base, **params)
 
 
+def tensor_parallel_knob(model, gpus: int) -> Knob:
+    """TP sizes for `gpus` GPUs: the divisors of `gpus` the model's heads allow (vLLM's rules), each
+    serving gpus / TP replicas."""
+    from kvengine.config import check_tensor_parallel
+
+    sizes = []
+    for tp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        try:
+            check_tensor_parallel(model, tp)
+            sizes.append(tp)
+        except ConfigError:
+            continue
+    return Knob("tensor_parallel_size", choices=tuple(sizes))
+
+
 def parse_knob(name: str, spec) -> Knob:
     """A knob from YAML (a list, or {low, high, step, log}) or a flag value ('16,32' or 'lo:hi[:step|log]')."""
     if name not in KNOBS:
@@ -205,7 +221,8 @@ def _check_values(name: str, values) -> None:
         raise SpaceError(f"kv_cache_dtype: values must be among {', '.join(KV_CACHE_DTYPES)}, got {list(values)}")
     if name == "gpu_memory_utilization" and any(not 0 < v <= 1 for v in values):
         raise SpaceError(f"gpu_memory_utilization: values must be in (0, 1], got {list(values)}")
-    if name in ("max_num_seqs", "max_num_batched_tokens") and any(v < 1 or math.isinf(v) for v in values):
+    if name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size") and any(
+            v < 1 or math.isinf(v) for v in values):
         raise SpaceError(f"{name}: values must be positive integers, got {list(values)}")
 
 

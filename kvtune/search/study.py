@@ -195,9 +195,10 @@ class Stage1:
     """Runs trials until the study holds `n_trials` of them, whoever ran them."""
 
     def __init__(self, study: optuna.Study, space: SearchSpace, base: EngineConfig, objective: Objective,
-                 run, workload, store: Store, n_trials: int, on_trial=None):
+                 run, workload, store: Store, n_trials: int, on_trial=None, gpus: int | None = None):
         self.study, self.space, self.base, self.objective = study, space, base, objective
         self.run, self.workload, self.store, self.n_trials = run, workload, store, n_trials
+        self.gpus = gpus  # each config serves gpus / TP replicas, the traffic split evenly among them
         self.on_trial = on_trial or (lambda record: None)
         self._enqueued: dict | None = None
         self._trial: optuna.Trial | None = None  # the trial this process runs (or ran last)
@@ -275,7 +276,7 @@ class Stage1:
         for run_id in sorted(set(trials) - self.store.full_runs(trials)):
             trial = trials[run_id]
             config = self.space.config(dict(trial.params), self.base)
-            workload = self.workload
+            workload = self.replica_workload(config)
             if self.objective.kind == "capacity":  # the run at the rate scale it found (the lowest if none)
                 workload = rate_scale(workload, trial.values[0] or self.objective.capacity_low)
             try:
@@ -289,6 +290,14 @@ class Stage1:
             self.store.save_run(result, run_id=run_id)
             redone.append(run_id)
         return redone
+
+    def replicas(self, config: EngineConfig) -> int:
+        return self.gpus // config.tensor_parallel_size if self.gpus else 1
+
+    def replica_workload(self, config: EngineConfig):
+        """What one replica serves: the trace at 1 / replicas of its rate (an even split)."""
+        replicas = self.replicas(config)
+        return self.workload if replicas == 1 else rate_scale(self.workload, 1 / replicas)
 
     def _default_params(self) -> dict | None:
         """The default config (the report's and stage 2's), as the search stored it, else the first enqueued."""
@@ -372,10 +381,14 @@ class Stage1:
         invalid = check_config(config)
         if invalid:
             return self._fail(trial, params, f"invalid config: {invalid}")
+        replicas = self.replicas(config)
         try:
-            values, sc, result = self.objective.evaluate(self.run, config, self.workload)
+            values, sc, result = self.objective.evaluate(self.run, config, self.replica_workload(config))
         except (TargetStartError, TargetRunError) as err:
             return self._fail(trial, params, str(err))
+        values = self.objective.for_replicas(values, replicas)
+        if self.gpus:
+            trial.set_user_attr("replicas", replicas)
         for name, value in sc.violations.items():
             trial.set_constraint(name, value)
         run_id = self.store.save_run(result, study=self.study.study_name, trial=trial.number,
