@@ -253,3 +253,31 @@ def test_search_chooses_tensor_parallelism_and_replicas_for_the_gpus_given(tmp_p
     assert "With 8 GPUs, each config serves 8 / TP replicas" in report and "split evenly" in report
     assert main([*common, "--target", "engine", "--trials", "2"]) == 2  # a live run cannot serve the layouts
     assert "--gpus compares replica layouts on the simulator only" in capsys.readouterr().err
+
+
+def test_a_profile_carries_the_served_model_and_server_into_the_simulator(tmp_path, capsys):
+    """A profile fitted on a checkpoint no preset describes keeps its shape; `run --target sim --profile`
+    then simulates that server's block size, max_num_seqs, max_model_len and pool, not the presets'."""
+    from kvengine.executor.cost import CostCoefficients
+    from kvengine.model.hf_config import model_spec_from_config_path
+    from kvtune.calibrate import CalibrationProfile, save_profile
+    from kvtune.cli import main
+    from kvtune.workload import TraceRequest, Workload, write_workload
+    from vllm_sizing import family_dir
+
+    model = model_spec_from_config_path(family_dir("qwen3"))
+    db = f"sqlite:///{tmp_path}/p.db"
+    save_profile(db, CalibrationProfile(
+        name="cpu-qwen3", model=model.name, model_spec=dataclasses.asdict(model), device="cpu",
+        coefficients=CostCoefficients(), target="vllm",
+        server={"block_size": 128, "num_gpu_blocks": 40, "max_model_len": 2048, "config": {"max_num_seqs": 64}}))
+    trace = tmp_path / "t.jsonl"
+    write_workload(Workload([TraceRequest(i * 0.1, 300, 20) for i in range(10)]), str(trace))
+    assert main(["run", "--target", "sim", "--profile", "cpu-qwen3", "--workload", str(trace), "--db", db,
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "sim: qwen3 on cpu, block_size 128" in out and "max_num_seqs 64" in out
+    from kvtune.store import Store
+    [run] = Store(db).list_runs()
+    stored = Store(db).load_run(run.id).config
+    assert (stored["num_gpu_blocks_override"], stored["max_model_len"]) == (40, 2048)

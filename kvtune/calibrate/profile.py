@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from kvengine.config import DeviceSpec, ModelSpec, device_preset, model_preset
+from kvengine.config import DeviceSpec, EngineConfig, ModelSpec, device_preset, model_preset
+from kvengine.model.spec import spec_from_dict
 from kvengine.executor.cost import TIED_TO, CostCoefficients
 
 from ..store import Store, StoreError, missing_database, resolve_db_url
@@ -45,12 +46,13 @@ class CalibrationProfile:
     fit: dict = field(default_factory=dict)  # cost, nfev, message
     dtype: str = ""  # the dtype the server ran the model in, where that is not the preset's (plan.served_dtype)
     notes: list[str] = field(default_factory=list)  # what the probes could not cover (ProbePlan.notes)
+    model_spec: dict = field(default_factory=dict)  # the served model's shape (a config.json's, not only presets')
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: int = PROFILE_VERSION
 
     def specs(self) -> tuple[ModelSpec, DeviceSpec]:
         """The model (in the dtype it was served in) and device presets the sim must run with this profile."""
-        model = model_preset(self.model)
+        model = spec_from_dict(self.model_spec) if self.model_spec else model_preset(self.model)
         if self.dtype and self.dtype != model.dtype:
             model = dataclasses.replace(model, dtype=self.dtype)
         return model, device_preset(self.device)
@@ -59,6 +61,22 @@ class CalibrationProfile:
         """The simulator this profile calibrates: its presets, coefficients and client overhead."""
         model, device = self.specs()
         return SimTarget(model, device, self.coefficients, self.client_overhead_s, self.client_overhead_busy_s)
+
+    def server_defaults(self, config: EngineConfig) -> EngineConfig:
+        """`config` with what it leaves unset taken from the server the profile was fitted on: its block
+        size, max_num_seqs, batch budget, max_model_len and its pool (the blocks it reported), so a sim
+        run with the profile simulates that server rather than the presets' defaults."""
+        ran, info = self.server.get("config") or {}, self.server
+        pool_set = config.num_gpu_blocks_override is not None or config.kv_cache_memory_bytes is not None
+        filled = {name: ran.get(name) for name in ("block_size", "max_num_seqs", "max_num_batched_tokens")
+                  if getattr(config, name) is None and isinstance(ran.get(name), int)}
+        if config.block_size is None and isinstance(info.get("block_size"), int):
+            filled["block_size"] = info["block_size"]
+        if config.max_model_len is None and isinstance(info.get("max_model_len"), int):
+            filled["max_model_len"] = info["max_model_len"]
+        if not pool_set and isinstance(info.get("num_gpu_blocks"), int):
+            filled["num_gpu_blocks_override"] = info["num_gpu_blocks"]
+        return dataclasses.replace(config, **filled)
 
     def untimed_kv_dtypes(self, kv_cache_dtypes) -> list[str]:
         """The quantized KV cache dtypes among `kv_cache_dtypes` where the profile timed none (one

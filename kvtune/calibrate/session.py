@@ -159,7 +159,8 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
                               base=base)
     profile = CalibrationProfile(
-        name=name, model=model.name, dtype=model.dtype, device=device, coefficients=result.coefficients,
+        name=name, model=model.name, model_spec=dataclasses.asdict(model), dtype=model.dtype, device=device,
+        coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
         target=target, url=url, executor=executor,
         served_model=info.model_name,

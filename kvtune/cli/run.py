@@ -86,6 +86,8 @@ def cmd_run(args) -> int:
     workload = _workload(args)  # a bad trace or flag fails before anything is created
     target, model_label, device = build_target(args)
     if args.target == "sim":
+        if args.profile:  # the calibrated server's block size, batch limits and pool, where no flag sets them
+            config = get_profile(args.db, args.profile).server_defaults(config)
         config.resolve(target.model, target.device)  # bad flags fail before any work
     else:
         config.validate()

@@ -175,3 +175,12 @@ def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
     if not model.uses_mla and (kv % tp if kv >= tp else tp % kv):
         raise ConfigError(f"--tensor-parallel-size {tp} and {model.name}'s {kv} K/V heads: one "
                           "must divide the other")
+
+
+def spec_from_dict(data: dict) -> ModelSpec:
+    """A ModelSpec stored as JSON (dataclasses.asdict): its lists made tuples again, so it hashes."""
+    def frozen(value):
+        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+    names = {f.name for f in dataclasses.fields(ModelSpec)}
+    return ModelSpec(**{k: frozen(v) for k, v in data.items() if k in names})
