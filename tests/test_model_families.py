@@ -281,3 +281,31 @@ def test_a_profile_carries_the_served_model_and_server_into_the_simulator(tmp_pa
     [run] = Store(db).list_runs()
     stored = Store(db).load_run(run.id).config
     assert (stored["num_gpu_blocks_override"], stored["max_model_len"]) == (40, 2048)
+
+
+def test_a_running_servers_model_is_read_from_its_v1_models_id(tmp_path, capsys):
+    """A URL target whose /v1/models id is a folder on this host (vLLM serving a local checkpoint):
+    its config.json is the simulated model; an id kvtune cannot read leaves a note, not a silent default."""
+    import argparse
+    import shutil
+
+    from kvtune.cli.target import simulated_model
+    from serverproc import ServerProcess
+    from vllm_sizing import family_dir
+
+    served = tmp_path / "qwen3-served"
+    shutil.copytree(family_dir("qwen3"), served)
+    server = ServerProcess("--executor", "sim", "--hf-config", str(served), "--device", "cpu",
+                           "--served-model-name", str(served))
+    try:
+        args = argparse.Namespace(target=server.url, preset=None, model=None)
+        assert simulated_model(args, "llama-3-8b") == str(served)
+    finally:
+        server.stop()
+    other = ServerProcess("--executor", "sim", "--preset", "tiny", "--device", "cpu", "--served-model-name", "tiny")
+    try:
+        assert simulated_model(argparse.Namespace(target=other.url, preset=None, model=None), "llama-3-8b") == \
+            "llama-3-8b"
+        assert "note: the simulator runs llama-3-8b, the default" in capsys.readouterr().err
+    finally:
+        other.stop()

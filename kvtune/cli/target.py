@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from kvengine.config import ConfigError, EngineConfig
 
@@ -114,11 +115,25 @@ def live_target(kind: str, args, preset: str | None, device: str | None):
 
 
 def served_config(args) -> str | None:
-    """The local folder (with its config.json) of the model a target kvtune starts will serve."""
-    model = getattr(args, "model", None)
-    if args.target in ("vllm", "sglang", "engine") and model and os.path.isfile(os.path.join(model, "config.json")):
+    """The local folder (with its config.json) of the model the target serves: the --model of a server
+    kvtune starts, or the id a running server's /v1/models gives, where that is a folder on this host."""
+    model = getattr(args, "model", None) if args.target in ("vllm", "sglang", "engine") else None
+    if args.target.startswith(("http://", "https://")):
+        model = _served_id(args.target)
+    if model and os.path.isfile(os.path.join(model, "config.json")):
         return model
     return None
+
+
+def _served_id(url: str) -> str | None:
+    import httpx
+
+    from ..httpclient import http_get
+
+    try:
+        return http_get(url.rstrip("/") + "/v1/models", timeout=5.0).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None  # not reachable yet, or not an OpenAI server: the asked or default model stands
 
 
 def simulated_model(args, default: str) -> str:
@@ -129,6 +144,10 @@ def simulated_model(args, default: str) -> str:
 
     served = served_config(args)
     if served is None:
+        if args.preset is None and default is not None and args.target.startswith(("http://", "https://")):
+            print(f"note: the simulator runs {default}, the default: {args.target} serves no model whose "
+                  "config.json is on this host; give --hf-config (or --preset) for the model it serves",
+                  file=sys.stderr)
         return args.preset or default
     if args.preset is None:
         return served
