@@ -309,3 +309,16 @@ def test_a_running_servers_model_is_read_from_its_v1_models_id(tmp_path, capsys)
         assert "note: the simulator runs llama-3-8b, the default" in capsys.readouterr().err
     finally:
         other.stop()
+
+
+def test_tensor_parallelism_on_the_torch_executor_is_refused_before_anything_starts(tmp_path, capsys):
+    import importlib.resources
+
+    from kvtune.cli import main
+
+    trace = importlib.resources.files("kvtune") / "data" / "demo_traces.jsonl"
+    db = tmp_path / "k.db"
+    assert main(["run", "--target", "engine", "--workload", str(trace), "--head", "3", "--tensor-parallel-size", "2",
+                 "--db", f"sqlite:///{db}"]) == 2
+    assert "torch executor) runs one device: --tensor-parallel-size 2" in capsys.readouterr().err
+    assert not db.exists()

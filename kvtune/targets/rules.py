@@ -54,6 +54,7 @@ class TargetRules:
     pool_env: dict = field(default_factory=dict)  # environment that sizes the KV pool
     utilization_sizes_pool: bool = True  # False: gpu_memory_utilization does nothing here
     pool_args: dict = field(default_factory=dict)  # a pool fixed by the server's own flags (--server-args)
+    max_tensor_parallel: int | None = None  # 1: the server runs one device (kvengine's torch executor)
 
     @property
     def pool_knob(self) -> str:
@@ -107,6 +108,8 @@ class TargetRules:
         elif flag in COUNT_FLAGS:
             if _whole(value) is None or _whole(value) < 1:
                 return f"{flag} takes a whole number of at least 1, not {value}"
+            if flag == "--tensor-parallel-size" and self.max_tensor_parallel and _whole(value) > self.max_tensor_parallel:
+                return f"{self.server} runs one device: --tensor-parallel-size {value} needs the sim executor"
         elif flag in SWITCHES and value not in ("on", "off", True, False):
             return f"{flag} is on or off, not {value}"
         return None
@@ -176,7 +179,8 @@ class TargetRules:
         block = self.refuses("--block-size", config.block_size)
         if block:
             return f"{block} (default {self.block_size})"
-        return self.refuses("--kv-cache-dtype", config.kv_cache_dtype)
+        return (self.refuses("--kv-cache-dtype", config.kv_cache_dtype)
+                or self.refuses("--tensor-parallel-size", config.tensor_parallel_size))
 
     def launch_env(self) -> dict:
         """The environment that must go with the launch command to reproduce the pool."""

@@ -168,6 +168,8 @@ class EngineTarget(_ServerTarget):
     @property
     def rules(self) -> TargetRules:
         rules = engine_rules("cpu" if self.executor == "torch" and self.device == "cpu" else self.device)
+        if self.executor == "torch":
+            rules = dataclasses.replace(rules, max_tensor_parallel=1, server="kvengine (torch executor)")
         return rules.with_server_args(self.extra_args)
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
