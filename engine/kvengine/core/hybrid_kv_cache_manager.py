@@ -13,13 +13,13 @@ group never hits another group's block.
 from __future__ import annotations
 
 from kvengine.core.block_pool import BlockPool
-from kvengine.core.kv_cache_manager import PrefixCacheStats, cdiv
+from kvengine.core.kv_cache_manager import PoolQueries, PrefixCacheStats, cdiv
 from kvengine.core.kv_cache_utils import KVCacheBlock, update_block_hashes
 from kvengine.core.memory import KVGroups
 from kvengine.core.request import Request
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PoolQueries):
     """Per-group block tables over one BlockPool (vLLM's HybridKVCacheCoordinator)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int, groups: KVGroups,
@@ -38,25 +38,6 @@ class HybridKVCacheManager:
         self.prefix_stats = PrefixCacheStats()
 
     # -- queries -------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.free_queue.num_free
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.pool.num_blocks - 1
-
-    def usage(self) -> float:
-        return self.pool.usage()
-
-    @property
-    def num_evictions(self) -> int:
-        return self.pool.num_evictions
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.pool.cached)
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The first group's blocks (the executor's table; the null block where a window freed one)."""
         return [b.block_id for b in self.tables[0].get(request_id, ())]

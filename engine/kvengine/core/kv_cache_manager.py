@@ -33,20 +33,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Per-request block tables over a BlockPool (vLLM's KVCacheManager, one group)."""
+class PoolQueries:
+    """What the scheduler and the metrics read of a manager's BlockPool (`self.pool`)."""
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True):
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[str, int] = {}
-        self.prefix_stats = PrefixCacheStats()
+    pool: BlockPool
 
-    # -- queries -------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.pool.free_queue.num_free
@@ -66,6 +57,21 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         return len(self.pool.cached)
 
+
+class KVCacheManager(PoolQueries):
+    """Per-request block tables over a BlockPool (vLLM's KVCacheManager, one group)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_caching: bool = True):
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    # -- queries -------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
