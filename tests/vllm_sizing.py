@@ -136,6 +136,13 @@ def _int(value) -> int | None:
         return None
 
 
+def _float(value) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def start_and_read(config_dir, *, pool_gib: int = 1, block_size: int | None = None,
                    max_model_len: int | None = None, kv_cache_dtype: str = "auto", extra_args=(),
                    start_timeout_s: float = START_TIMEOUT_S, log_dir: str | None = None) -> dict:
@@ -180,8 +187,11 @@ def start_and_read(config_dir, *, pool_gib: int = 1, block_size: int | None = No
     return {
         "num_gpu_blocks": _int(info.get("num_gpu_blocks")),
         "block_size": _int(info.get("block_size")),
-        "kv_cache_tokens": logged["kv_cache_tokens"],
-        "max_concurrency": logged["max_concurrency"],
+        # the log line, else the labels this build also exports (kv_cache_size_tokens, kv_cache_max_concurrency)
+        "kv_cache_tokens": logged["kv_cache_tokens"] if logged["kv_cache_tokens"] is not None
+        else _int(info.get("kv_cache_size_tokens")),
+        "max_concurrency": logged["max_concurrency"] if logged["max_concurrency"] is not None
+        else _float(info.get("kv_cache_max_concurrency")),
         "max_model_len": served_len or logged["logged_max_model_len"],
         "log_tail": "\n".join(text.splitlines()[-TAIL_LINES:]),
         "cache_config": info,

@@ -195,6 +195,7 @@ def size(vllm_config, specs: dict, backends: list, available_bytes: int) -> dict
         resolve_kv_cache_layout,
     )
     from vllm.v1.core.kv_cache_utils import (
+        _pool_bytes_per_block,
         generate_scheduler_kv_cache_config,
         get_kv_cache_capacity,
         get_kv_cache_configs,
@@ -228,9 +229,10 @@ def size(vllm_config, specs: dict, backends: list, available_bytes: int) -> dict
             "uniform_type": isinstance(w.kv_cache_spec, UniformTypeKVCacheSpecs),
             "max_memory_usage_bytes": g.kv_cache_spec.max_memory_usage_bytes(vllm_config),
         } for g, w in zip(groups, worker_groups)],
-        "bytes_per_block": sum(t.size for t in configs[0].kv_cache_tensors) // max(configs[0].num_blocks, 1)
-        if configs[0].kv_cache_tensors else None,
-        "kv_cache_tensors": [{"layers": len(t.layers), "size": t.size} for t in configs[0].kv_cache_tensors],
+        # one block of every group's layers: available bytes // this is num_blocks (groups alias one pool)
+        "bytes_per_block": _pool_bytes_per_block(vllm_config, worker_groups),
+        "kv_cache_tensors": [{"layers": len(t.layers), "size": t.size, "offset": t.offset}
+                             for t in configs[0].kv_cache_tensors],
         "max_concurrency": get_max_concurrency_for_kv_cache_config(vllm_config, scheduler),
         "max_concurrency_worker": get_max_concurrency_for_kv_cache_config(vllm_config, configs[0]),
         "kv_cache_tokens": tokens,

@@ -121,7 +121,7 @@ class MemoryPlan:
 
     @property
     def num_tokens(self) -> int:
-        """vLLM's "GPU KV cache size: N tokens"."""
+        """The pool's blocks times the block size: the tokens one layer group holds."""
         return self.num_gpu_blocks * self.block_size
 
     def blocks_per_request(self, context_len: int) -> int:
@@ -142,7 +142,9 @@ class MemoryPlan:
             f"memory takes {self.activation_bytes / GiB:.2f} GiB ({how}); the rest of "
             f"{self.requested_bytes / GiB:.2f} GiB is reserved for KV cache.",
             f"Available KV cache memory: {self.kv_cache_bytes / GiB:.2f} GiB",
-            f"GPU KV cache size: {self.num_tokens:,} tokens",
+            # vLLM's get_kv_cache_capacity: the max concurrency times max_model_len (blocks times the
+            # block size where every layer is full attention)
+            f"GPU KV cache size: {int(self.max_concurrency(max_model_len) * max_model_len):,} tokens",
             f"Maximum concurrency for {max_model_len:,} tokens per request: "
             f"{self.max_concurrency(max_model_len):.2f}x",
         ]
