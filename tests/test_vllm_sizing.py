@@ -5,8 +5,10 @@ weights (tests/vllm_sizing.py start_and_read: its vllm:cache_config_info and its
 "Maximum concurrency"), or, where a start is not needed or not possible (tensor parallelism on
 one CPU), vLLM's own sizing code run on the same config (vllm_sizing: its ModelConfig, its layers'
 KV cache specs, get_kv_cache_configs and get_max_concurrency_for_kv_cache_config). kvtune's side
-is kvengine.core.memory.plan_memory on the spec kvengine.model.hf_config reads. Every family and
-TP size is compared by benchmarks/vllm_sizing.py; the suite keeps one start and one probe.
+is kvengine.core.memory.plan_memory on the spec kvengine.model.hf_config reads. Every family's
+start and probe at TP 1, 2 and 4 are recorded in tests/data/sizing/vllm_reference.json (compared
+without vLLM); benchmarks/vllm_sizing.py runs them again; the suite also keeps one live start and
+two live probes.
 """
 from __future__ import annotations
 
@@ -20,24 +22,42 @@ from kvengine.model.hf_config import spec_from_config
 
 from vllm_sizing import family_dir, start_and_read, vllm_sizing
 
-pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 2048
+REFERENCE = json.loads((family_dir("llama3").parent / "vllm_reference.json").read_text())
 # The CPU build's platform (one batch in flight, its default batch budget); its memory is unused
 # here: the pool is given (VLLM_CPU_KVCACHE_SPACE, or the probe's available bytes).
 CPU = DeviceSpec("cpu", 64 * GiB, 20e9, 100e9, platform="cpu")
 
 
-def kvtune_sizing(family: str, *, tp: int = 1, block_size: int, pool_bytes: int = GiB) -> tuple[int, float]:
+def kvtune_sizing(family: str, *, tp: int = 1, block_size: int, pool_bytes: int = GiB,
+                  max_num_batched_tokens: int | None = None) -> tuple[int, float]:
     """(num_gpu_blocks, max concurrency at MAX_MODEL_LEN) as kvtune plans one GPU of the family."""
     path = family_dir(family) / "config.json"
     spec = spec_from_config(json.loads(path.read_text()), family, str(path))
     spec = dataclasses.replace(spec, dtype="bfloat16")  # the tests serve --dtype bfloat16
     config = EngineConfig(block_size=block_size, kv_cache_memory_bytes=pool_bytes, max_model_len=MAX_MODEL_LEN,
-                          tensor_parallel_size=tp)
+                          tensor_parallel_size=tp, max_num_batched_tokens=max_num_batched_tokens)
     plan = plan_memory(spec, CPU, config.resolve(spec, CPU))
     return plan.num_gpu_blocks, plan.max_concurrency(MAX_MODEL_LEN)
 
 
+RECORDED = [(family, key, entry) for family, runs in REFERENCE.items() if family != "_about"
+            for key, entry in runs.items()]
+
+
+@pytest.mark.parametrize("family, key, entry", RECORDED, ids=[f"{f}-{k}" for f, k, _ in RECORDED])
+def test_the_pool_equals_vllms_recorded_one(family, key, entry):
+    """Every family as the CPU build sized it when started (real) and as vLLM's sizing code sized it at
+    TP 1, 2 and 4 (probe_tpN), recorded in tests/data/sizing/vllm_reference.json by
+    `python tests/vllm_sizing.py --json`: kvtune's plan gives the same blocks and concurrency."""
+    tp = int(key.removeprefix("probe_tp")) if key.startswith("probe_tp") else 1
+    blocks, concurrency = kvtune_sizing(family, tp=tp, block_size=entry["block_size"],
+                                        max_num_batched_tokens=entry.get("max_num_batched_tokens"))
+    assert blocks == entry.get("num_blocks", entry.get("num_gpu_blocks"))
+    assert concurrency == pytest.approx(entry["max_concurrency"], abs=0.01)
+
+
+@pytest.mark.slow
 def test_a_hybrid_sliding_window_pool_equals_a_real_vllm_start():
     """Gemma 2 (sliding window on alternate layers): vLLM groups the layers by kind and keeps a
     window's blocks per sliding group, so its pool and concurrency are not a dense model's."""
@@ -47,6 +67,7 @@ def test_a_hybrid_sliding_window_pool_equals_a_real_vllm_start():
     assert concurrency == pytest.approx(real["max_concurrency"], abs=0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, tp", [("deepseek_v3", 2), ("qwen3", 4)])
 def test_mla_and_tensor_parallel_pools_equal_vllms_own_sizing(family, tp):
     """DeepSeek-V3's MLA latent (whole on every rank) and Qwen3's K/V heads split (and replicated
