@@ -13,7 +13,7 @@ from .args import add_db_argument
 from ..calibrate import get_profile
 from ..store import resolve_db_url
 from ..targets import SimTarget
-from .target import add_server_flags, live_target, simulated_model
+from .target import add_server_flags, live_target, serves_on_cpu, simulated_model
 from ..workload import FORMATS, read_workload
 from .args import positive_float, positive_int
 from ..search.flow import SearchError, SearchRequest, run_search
@@ -56,7 +56,8 @@ def add_search_command(sub) -> None:
                    help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
     g.add_argument("--preset", help="model preset (default: the config.json of a local --model the target serves, "
                                     "else llama-3-8b)")
-    g.add_argument("--device", default="h100-80gb", help="device preset (default: %(default)s)")
+    g.add_argument("--device", help="device preset (default: cpu for a server kvtune starts on the CPU, else "
+                                    "h100-80gb)")
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="GPUs one replica is split over, fixed for every trial (default: %(default)s)")
@@ -131,7 +132,13 @@ def _search(args, live_targets: list) -> int:
                   f"that is optimistic. `kvtune calibrate --quantized-kv {untimed[0]}` times it")
     else:
         try:
-            args.preset = simulated_model(args, "llama-3-8b")
+            torch_engine = args.target == "engine" and args.executor == "torch"  # it serves `tiny` unless --model
+            args.preset = simulated_model(args, "tiny" if torch_engine else "llama-3-8b")
+            if args.device is None:
+                args.device = "cpu" if serves_on_cpu(args) else "h100-80gb"
+                if args.device == "cpu":
+                    print("note: the live server runs on this CPU: stage 1 simulates the `cpu` preset, a rough "
+                          "estimate; `kvtune calibrate` fits its timings (then --profile NAME)")
             sim = SimTarget(model_preset(args.preset), device_preset(args.device))
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)

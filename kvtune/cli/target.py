@@ -169,3 +169,13 @@ def describe(model) -> str:
     kv = (f"an MLA latent of {model.kv_lora_rank + model.qk_rope_head_dim}" if model.uses_mla
           else f"{model.num_kv_heads} K/V heads of {model.head_dim}")
     return f"{model.num_layers} layers, {model.num_heads} heads, {kv} ({model.name})"
+
+
+def serves_on_cpu(args) -> bool:
+    """Whether the server kvtune starts for `args` runs on this CPU: vLLM's CPU build, or kvengine's
+    torch executor (which runs here)."""
+    if args.target == "vllm":
+        from ..targets.servers import default_vllm_command
+        from ..targets.rules import vllm_platform
+        return (args.vllm_platform or vllm_platform(args.vllm_command or default_vllm_command())) == "cpu"
+    return args.target == "engine" and getattr(args, "executor", None) == "torch"
