@@ -30,7 +30,7 @@ from kvengine.config import (
     model_preset,
 )
 from kvengine.core.memory import (KVCacheMemoryError, kv_bytes_per_token, kv_elements_per_token, max_concurrency,
-                                  plan_memory)
+                                  plan_memory, served_shard)
 
 from .targets.rules import CPU_KV_SPACE_ENV
 from .workload import Workload
@@ -79,7 +79,6 @@ class ModelChoice:
     heads: int | None = None
     dtype: str = "bfloat16"
     weights_gib: float | None = None
-    quantization: str | None = None  # vLLM's --quantization
 
 
 def planned_model(choice: ModelChoice) -> PlannedModel:
@@ -93,33 +92,19 @@ def planned_model(choice: ModelChoice) -> PlannedModel:
             raise ValueError("a custom model needs --layers, --kv-heads and --head-dim")
         return custom_model(choice.layers, choice.kv_heads, choice.head_dim, choice.dtype, choice.heads,
                             weights_bytes=weights)
-    if choice.quantization is not None and not choice.hf_config and not choice.preset:
-        raise ValueError("--quantization sizes the weights of a --preset or --hf-config model")
-    spec = (_hf_model(choice.hf_config, choice.quantization) if choice.hf_config
-            else _quantized(model_preset(choice.preset or "llama-3-8b"), choice.quantization))
+    spec = _hf_model(choice.hf_config) if choice.hf_config else model_preset(choice.preset or "llama-3-8b")
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return PlannedModel(**fields, weights_bytes=weights)
 
 
-def _quantized(spec: ModelSpec, quantization: str | None) -> ModelSpec:
-    if quantization is None:
-        return spec
-    from kvengine.model.hf_config import CheckpointError, weight_quant
-
-    try:
-        return dataclasses.replace(spec, weight_quant=weight_quant({}, f"preset {spec.name}", quantization))
-    except CheckpointError as err:
-        raise ValueError(str(err)) from None
-
-
-def _hf_model(path: str, quantization: str | None = None) -> ModelSpec:
+def _hf_model(path: str) -> ModelSpec:
     """A config.json (or its folder), read where it is: every complaint names that file."""
     from kvengine.model.hf_config import CheckpointError, model_spec_from_config_path
 
     if not os.path.exists(path):
         raise ValueError(f"--hf-config {path}: no such file or folder")
     try:
-        return model_spec_from_config_path(path, quantization)
+        return model_spec_from_config_path(path)
     except CheckpointError as err:
         raise ValueError(f"--hf-config {err}") from None
 
@@ -273,7 +258,7 @@ def plan_capacity(model: ModelSpec, device: DeviceSpec, config: EngineConfig, co
         requested_bytes=first.requested_bytes, weights_bytes=first.weights_bytes,
         activation_bytes=first.activation_bytes, overhead_bytes=first.overhead_bytes,
         reserve_given=reserve_bytes is not None, config=resolved, contexts=contexts,
-        by_dtype=[_capacity(model.tp_shard(resolved.tensor_parallel_size), dtype, memory, contexts,
+        by_dtype=[_capacity(served_shard(model, resolved), dtype, memory, contexts,
                             resolved.max_model_len)
                   for dtype, memory in memories.items()])
 

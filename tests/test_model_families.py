@@ -189,7 +189,7 @@ def test_the_simulator_runs_the_model_a_live_target_serves(tmp_path, capsys):
         assert not db.exists()
 
 
-def test_search_tunes_a_70b_model_at_tp_4_and_its_launch_line_says_so(tmp_path, capsys):
+def test_search_tunes_a_70b_model_at_tp_4_in_fp8_and_its_launch_line_says_so(tmp_path, capsys):
     import importlib.resources
 
     from kvtune.cli import main
@@ -198,14 +198,15 @@ def test_search_tunes_a_70b_model_at_tp_4_and_its_launch_line_says_so(tmp_path, 
     lines = (importlib.resources.files("kvtune") / "data" / "demo_traces.jsonl").read_text().splitlines()
     trace.write_text("\n".join(lines[:60]) + "\n")
     code = main(["search", "--workload", str(trace), "--target", "none", "--preset", "llama-3.1-70b", "--device",
-                 "h100-80gb", "--tensor-parallel-size", "4", "--max-model-len", "8192", "--trials", "3",
+                 "h100-80gb", "--tensor-parallel-size", "4", "--quantization", "fp8", "--max-model-len", "8192",
+                 "--trials", "3",
                  "--db", f"sqlite:///{tmp_path}/k.db", "--report-dir", str(tmp_path / "report")])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "stage-1 trials of llama-3.1-70b on 4 × h100-80gb" in out
     report = (tmp_path / "report" / "report.md").read_text()
     assert "tuned the KV cache of `llama-3.1-70b` on `4 × h100-80gb (tensor parallel)`" in report
-    assert "--tensor-parallel-size 4" in report
+    assert "--tensor-parallel-size 4" in report and "--quantization fp8" in report
 
 
 def test_the_simulator_holds_a_window_of_a_sliding_groups_blocks():

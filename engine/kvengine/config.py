@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvengine.model.hf_config import preset_specs
 from kvengine.model.spec import (  # noqa: F401  (the engine's names for them)
-    DTYPE_BYTES, WEIGHT_QUANT_BYTES, ConfigError, ModelSpec, check_tensor_parallel)
+    DTYPE_BYTES, QUANTIZATION_FLAGS, WEIGHT_QUANT_BYTES, ConfigError, ModelSpec, check_tensor_parallel, quantized)
 
 GiB = 1 << 30
 
@@ -151,6 +151,9 @@ class EngineConfig:
         "help": "context limit per request (default: the model's)"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "GPUs one replica's weights, heads and KV cache are split over (sizes one GPU's pool)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "the weights' quantization method (fp8 quantizes a 16-bit checkpoint as it loads; default: "
+                "the checkpoint's quantization_config)", "choices": tuple(QUANTIZATION_FLAGS)})
     num_gpu_blocks_override: int | None = field(default=None, metadata={
         "help": "use this many KV blocks instead of sizing the pool from memory"})
     # vLLM's --kv-cache-memory-bytes: the KV pool's size in bytes, whatever the utilisation
@@ -224,8 +227,11 @@ class EngineConfig:
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"--max-model-len ({self.max_model_len}) with chunked prefill disabled: "
                 "a long prompt could never be scheduled; raise it or enable chunked prefill")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_FLAGS:
+            raise ConfigError(f"--quantization {self.quantization!r}: kvtune sizes {', '.join(QUANTIZATION_FLAGS)}")
         if model is not None:
             check_tensor_parallel(model, self.tensor_parallel_size)
+            quantized(model, self.quantization)  # a method whose format the checkpoint must give
         if model is not None and self.max_model_len and self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len ({self.max_model_len}) is larger than {model.name}'s "

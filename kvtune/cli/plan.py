@@ -67,7 +67,7 @@ def add_plan_command(subparsers) -> None:
 def cmd_plan(args) -> int:
     try:
         model = planned_model(ModelChoice(args.preset, args.hf_config, args.layers, args.kv_heads, args.head_dim,
-                                          args.heads, args.dtype, args.weights_gib, args.quantization))
+                                          args.heads, args.dtype, args.weights_gib))
         device = planned_device(args.device, args.device_memory)
         contexts, from_workload = _contexts(args)
         config = _config(args, contexts)
@@ -106,7 +106,7 @@ def _config(args, contexts: list[int]) -> EngineConfig:
                         kv_cache_dtype=args.kv_cache_dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=max_len,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
 
 
 def format_plan(plan: CapacityPlan) -> str:

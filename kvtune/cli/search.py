@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from kvengine.config import ConfigError, device_preset, model_preset
+from kvengine.config import QUANTIZATION_FLAGS, ConfigError, device_preset, model_preset
 
 from .commands import COMMANDS
 from .args import add_db_argument
@@ -61,6 +61,9 @@ def add_search_command(sub) -> None:
     g.add_argument("--max-model-len", type=positive_int, help="fixed for every trial (default: the model's)")
     g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="GPUs one replica is split over, fixed for every trial (default: %(default)s)")
+    g.add_argument("--quantization", choices=tuple(QUANTIZATION_FLAGS), metavar="METHOD",
+                   help="vLLM's --quantization of the served weights, fixed for every trial (default: the "
+                        "checkpoint's quantization_config)")
     g.add_argument("--gpus", type=positive_int, metavar="N",
                    help="the GPUs to serve with: stage 1 also chooses TP among N's divisors (unless "
                         "--tensor-parallel-size fixes it), N / TP replicas sharing the traffic evenly")
@@ -149,7 +152,8 @@ def _search(args, live_targets: list) -> int:
         workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
         preset=args.preset, device=args.device, study=_study_name(args), db_url=db_url, trials=args.trials,
         sampler=args.sampler, seed=args.seed, max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, gpus=args.gpus, heartbeat_s=args.heartbeat,
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, gpus=args.gpus,
+        heartbeat_s=args.heartbeat,
         profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
         top_k=args.top_k, live_head=args.live_head,
         plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget))

@@ -60,6 +60,7 @@ class SearchRequest:
     seed: int = 0
     max_model_len: int | None = None
     tensor_parallel_size: int = 1  # fixed for every trial: the GPUs one replica spans
+    quantization: str | None = None  # vLLM's --quantization, fixed for every trial
     gpus: int | None = None  # the GPUs to serve with: TP searched among its divisors (unless fixed), gpus / TP replicas
     heartbeat_s: float = 30.0
     profile: str | None = None  # a calibrated cost profile's name
@@ -85,7 +86,8 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     """Run `req`; `say` hears each note and stage line, `stage1_progress(trials)` gives the context whose
     value is told of each stage-1 trial, `on_live` of each live run."""
     model, device = req.sim.model, req.sim.device
-    base = EngineConfig(max_model_len=req.max_model_len, tensor_parallel_size=req.tensor_parallel_size)
+    base = EngineConfig(max_model_len=req.max_model_len, tensor_parallel_size=req.tensor_parallel_size,
+                        quantization=req.quantization)
     space, sim_base, default = req.space, base, base.resolve(model, device)
     live = req.live
     if req.gpus:

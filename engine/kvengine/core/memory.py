@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from kvengine.config import GiB, DeviceSpec, EngineConfig, ModelSpec
+from kvengine.model.spec import quantized
 
 
 class KVCacheMemoryError(RuntimeError):
@@ -164,7 +165,7 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
     profiling pass); without one, the estimate is used."""
     unresolved = None in (config.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
     cfg = config.resolve(model, device) if unresolved else config
-    model = model.tp_shard(cfg.tensor_parallel_size)  # everything below is one GPU's
+    model = served_shard(model, cfg)  # everything below is one GPU's
     block_bytes = kv_bytes_per_block(model, cfg.kv_cache_dtype, cfg.block_size)
     requested = math.ceil(device.memory_bytes * cfg.gpu_memory_utilization)
     weights = model.weight_bytes
@@ -199,6 +200,12 @@ def plan_memory(model: ModelSpec, device: DeviceSpec, config: EngineConfig,
                       concurrent_batches(device) * cfg.max_num_batched_tokens)
     _check_fits_one_request(plan, model, cfg)
     return plan
+
+
+def served_shard(model: ModelSpec, config: EngineConfig) -> ModelSpec:
+    """One GPU's share of the model as `config` serves it: its --quantization, then its
+    --tensor-parallel-size (the one place both apply; the memory plan and the step cost read it)."""
+    return quantized(model, config.quantization).tp_shard(config.tensor_parallel_size)
 
 
 def concurrent_batches(device: DeviceSpec) -> int:

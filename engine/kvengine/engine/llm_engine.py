@@ -13,7 +13,7 @@ from kvengine.core.contiguous import ContiguousKVCacheManager
 from kvengine.executor.cost import CostCoefficients, StepCost
 from kvengine.executor.abstract import Executor, SimExecutor
 from kvengine.core.kv_manager import KVManager
-from kvengine.core.memory import MemoryPlan, plan_memory
+from kvengine.core.memory import MemoryPlan, plan_memory, served_shard
 from kvengine.core.request import Request, RequestStatus, SamplingParams, check_prompt
 from kvengine.core.scheduler import Scheduler
 
@@ -59,7 +59,7 @@ class LLMEngine:
         self.device = device
         # One GPU's shard sets a step's time (each rank reads its share of the weights and K/V);
         # the ranks' all-reduces are not priced.
-        self.cost = StepCost.build(model.tp_shard(self.config.tensor_parallel_size), device,
+        self.cost = StepCost.build(served_shard(model, self.config), device,
                                    self.config.kv_cache_dtype, self.config.block_size, cost_coefficients)
         self.executor: Executor = executor or SimExecutor(self.cost)
         # A real executor measures its activation peak (a profiling pass at

@@ -27,7 +27,7 @@ def add_model_flags(p: argparse.ArgumentParser, default_preset: str = "llama-3-8
 
 # EngineConfig's fields that are `vllm serve` flags (their metadata says how), in its order.
 ENGINE_FLAG_FIELDS = tuple(f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata)
-_TYPES = {"int | None": int, "int": int, "float": float, "str": str}
+_TYPES = {"int | None": int, "int": int, "float": float, "str": str, "str | None": str}
 
 
 def flag_name(field_name: str) -> str:

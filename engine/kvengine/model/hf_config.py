@@ -37,13 +37,6 @@ LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 # transformers' defaults for what a published text_config leaves out (Gemma3TextConfig's).
 TEXT_DEFAULTS = {"gemma3": {"vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window_pattern": 6,
                             "rope_theta": 1000000.0}}
-# vLLM's --quantization methods whose weights have one format; the others read the config's.
-QUANTIZATION_FLAGS = {"fp8": "fp8", "mxfp4": "mxfp4", "fbgemm_fp8": "fp8", "ptpc_fp8": "fp8",
-                      "awq": "int4", "awq_marlin": "int4", "gptq": None, "gptq_marlin": None,
-                      "compressed-tensors": None, "modelopt": None, "modelopt_fp4": "nvfp4",
-                      "experts_int8": "int8"}
-
-
 class CheckpointError(ValueError):
     """The folder is not a checkpoint this engine can load; the message says why."""
 
@@ -160,18 +153,11 @@ def _mla(f: _Fields) -> dict:
                 q_lora_rank=f.whole("q_lora_rank", 0))
 
 
-def weight_quant(cfg: dict, source: str, flag: str | None = None) -> str | None:
-    """The linear layers' stored format ("fp8", "int8", "int4", "mxfp4", "nvfp4", None for the
-    dtype), from vLLM's --quantization `flag` or the config's quantization_config."""
-    if flag is not None:
-        if flag not in QUANTIZATION_FLAGS:
-            raise CheckpointError(f"--quantization {flag!r}: kvtune sizes {', '.join(QUANTIZATION_FLAGS)}")
-        if QUANTIZATION_FLAGS[flag] is not None:
-            return QUANTIZATION_FLAGS[flag]
+def weight_quant(cfg: dict, source: str) -> str | None:
+    """The linear layers' stored format ("fp8", "int8", "int4", "mxfp4", "nvfp4", None for the dtype)
+    from the config's quantization_config (vLLM's --quantization: kvengine.model.spec.quantized)."""
     qc = cfg.get("quantization_config")
     if qc is None:
-        if flag is not None:
-            raise CheckpointError(f"--quantization {flag}: {source} has no quantization_config to say its format")
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method in ("fp8", "fbgemm_fp8", "mxfp4"):
@@ -213,7 +199,7 @@ def _rope(cfg: dict) -> tuple[float, tuple | None]:
     return float(theta), tuple(sorted((k, _frozen(v)) for k, v in rope.items()))
 
 
-def spec_from_config(cfg: dict, name: str, source: str, quantization: str | None = None) -> ModelSpec:
+def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:
     """The ModelSpec of one config.json's contents; `source` names the file in every complaint."""
     family = family_of(cfg, source)
     if isinstance(cfg.get("text_config"), dict):  # a multimodal wrapper: the decoder's own config
@@ -249,7 +235,7 @@ def spec_from_config(cfg: dict, name: str, source: str, quantization: str | None
         rms_norm_eps=f.get("rms_norm_eps", 1e-6), architecture=family, rope_scaling=rope_scaling,
         sliding_window=window, layer_types=layer_types,
         bos_token_id=first(cfg.get("bos_token_id")), eos_token_id=first(cfg.get("eos_token_id")),
-        weight_quant=weight_quant(cfg, source, quantization), **mla, **experts)
+        weight_quant=weight_quant(cfg, source), **mla, **experts)
 
 
 def read_config(path) -> dict:
@@ -267,13 +253,13 @@ def folder(path) -> Path:
     return p
 
 
-def model_spec_from_hf(path, name: str | None = None, quantization: str | None = None) -> ModelSpec:
+def model_spec_from_hf(path, name: str | None = None) -> ModelSpec:
     """The ModelSpec of a local checkpoint folder, from its config.json."""
     source = str(Path(path) / "config.json")
-    return spec_from_config(read_config(path), name or Path(path).resolve().name, source, quantization)
+    return spec_from_config(read_config(path), name or Path(path).resolve().name, source)
 
 
-def model_spec_from_config_path(path, quantization: str | None = None) -> ModelSpec:
+def model_spec_from_config_path(path) -> ModelSpec:
     """A config.json, or a folder holding one, named after its folder (or the file, when it
     is not called config.json): what --hf-config and a --preset path read."""
     p = Path(path)
@@ -281,7 +267,7 @@ def model_spec_from_config_path(path, quantization: str | None = None) -> ModelS
     if not file.is_file():
         raise CheckpointError(f"{path}: no config.json there")
     name = file.resolve().parent.name if file.name == "config.json" else file.stem
-    return spec_from_config(read_json(file, file), name, str(file), quantization)
+    return spec_from_config(read_json(file, file), name, str(file))
 
 
 def preset_specs() -> dict[str, ModelSpec]:

@@ -16,6 +16,12 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WEIGHT_QUANT_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128, "mxfp4": 0.5 + 1 / 32,
                       "nvfp4": 0.5 + 1 / 16}
 
+# vLLM's --quantization methods whose weights have one format; the others read the config's.
+QUANTIZATION_FLAGS = {"fp8": "fp8", "mxfp4": "mxfp4", "fbgemm_fp8": "fp8", "ptpc_fp8": "fp8",
+                      "awq": "int4", "awq_marlin": "int4", "gptq": None, "gptq_marlin": None,
+                      "compressed-tensors": None, "modelopt": None, "modelopt_fp4": "nvfp4",
+                      "experts_int8": "int8"}
+
 
 class ConfigError(ValueError):
     """A knob has a value the engine cannot run with; the message names the flag."""
@@ -184,3 +190,19 @@ def spec_from_dict(data: dict) -> ModelSpec:
 
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     return ModelSpec(**{k: frozen(v) for k, v in data.items() if k in names})
+
+
+def quantized(model: ModelSpec, method: str | None) -> ModelSpec:
+    """The model served with vLLM's --quantization `method`: a method of one weight format sets it
+    (fp8: vLLM quantizes a 16-bit checkpoint as it loads it); one whose format the checkpoint's own
+    quantization_config gives (gptq, compressed-tensors, modelopt) needs that config read already."""
+    if method is None:
+        return model
+    if method not in QUANTIZATION_FLAGS:
+        raise ConfigError(f"--quantization {method!r}: kvtune sizes {', '.join(QUANTIZATION_FLAGS)}")
+    if QUANTIZATION_FLAGS[method] is not None:
+        return dataclasses.replace(model, weight_quant=QUANTIZATION_FLAGS[method])
+    if model.weight_quant is None:
+        raise ConfigError(f"--quantization {method}: {model.name} has no quantization_config saying its "
+                          "weights' format (give its config.json with --hf-config)")
+    return model
