@@ -1,1 +1,2 @@
-"""The real model: the decoder, its KV cache tensors, the checkpoint loader, tokenizer, sampler, CPU kernels."""
+"""The model: its shape (spec, hf_config, the presets in configs/), and the real decoder, its KV cache
+tensors, the checkpoint loader, tokenizer, sampler, CPU kernels."""
