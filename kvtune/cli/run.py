@@ -13,6 +13,7 @@ from .args import add_db_argument
 from ..calibrate import get_profile
 from ..diagnose import Thresholds
 from ..diagnose.trial import Simulator, diagnosed, simulator_for
+from ..report.fmt import on_gpus
 from ..results import RunResult
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
@@ -165,8 +166,7 @@ def format_summary(result: RunResult) -> str:
 
     cfg = result.config
     live = "server_ttft_p95" in s
-    tp = cfg.get("tensor_parallel_size") or 1
-    on = f"{tp} × {result.device} (tensor parallel)" if tp > 1 else result.device
+    on = on_gpus(result.device, cfg.get("tensor_parallel_size"))
     lines = [
         f"{result.target}: {result.model} on {on}, " + ", ".join(
             f"{k} {cfg[k]}" for k in ("block_size", "gpu_memory_utilization", "max_num_seqs",

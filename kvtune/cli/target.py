@@ -153,8 +153,8 @@ def simulated_model(args, default: str) -> str:
         return served
     asked, theirs = model_preset(args.preset), model_preset(served)
     if shape(asked) != shape(theirs):
-        raise ConfigError(f"--preset/--hf-config {args.preset} describes {describe(asked)}, but --model {served} "
-                          f"serves {describe(theirs)}: the simulator must run the served model (leave the "
+        raise ConfigError(f"--preset/--hf-config {args.preset} describes {describe(asked)}, but the target serves "
+                          f"{served}: {describe(theirs)}; the simulator must run the served model (leave the "
                           "preset out to use its config.json)")
     return args.preset
 

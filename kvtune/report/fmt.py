@@ -11,6 +11,12 @@ KiB = 1 << 10
 MISSING = "–"
 
 
+def on_gpus(device, tensor_parallel_size: int | None) -> str:
+    """Where a config runs: the device, or "T × device (tensor parallel)" for one replica over T GPUs."""
+    tp = tensor_parallel_size or 1
+    return f"{tp} × {device} (tensor parallel)" if tp > 1 else str(device)
+
+
 def _known(value) -> bool:
     return value is not None and not (isinstance(value, float) and not math.isfinite(value))
 

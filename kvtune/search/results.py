@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import optuna
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 
+from ..report.fmt import on_gpus
 from ..results import RunResult
 from .slo import SLO, SLOError, score, study_slos_from_attrs
 from .stage2 import LIVE_LABEL, live_measurement
@@ -43,8 +44,7 @@ class StudyInfo:
     @property
     def on(self) -> str:
         """Where the study ran: the device, times the GPUs of one replica."""
-        tp = self.tensor_parallel_size or 1
-        return f"{tp} × {self.device} (tensor parallel)" if tp > 1 else str(self.device)
+        return on_gpus(self.device, self.tensor_parallel_size)
 
 
 @dataclass

@@ -57,8 +57,8 @@ class LLMEngine:
         self.config = config.resolve(model, device)
         self.model = model
         self.device = device
-        # One GPU's shard sets a step's time (each rank reads its share of the weights and K/V);
-        # the ranks' all-reduces are not priced.
+        # One GPU's shard sets a step's time: each rank reads its share of the weights and K/V, then
+        # joins the all-reduces StepCost prices.
         self.cost = StepCost.build(served_shard(model, self.config), device,
                                    self.config.kv_cache_dtype, self.config.block_size, cost_coefficients)
         self.executor: Executor = executor or SimExecutor(self.cost)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvengine.model.hf_config import (  # noqa: F401  (the loader's names for them)
-    TORCH_FAMILIES, CheckpointError, folder, model_spec_from_hf, read_config, read_json)
+    TORCH_FAMILIES, CheckpointError, folder, model_spec_from_hf, read_json)
 
 
 def torch_model_spec(path, name: str | None = None):

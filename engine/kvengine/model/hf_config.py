@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvengine.model.spec import DTYPE_BYTES, WEIGHT_QUANT_BYTES, ModelSpec
+from kvengine.model.spec import DTYPE_BYTES, WEIGHT_QUANT_BYTES, ModelSpec, frozen
 
 PRESET_DIR = Path(__file__).with_name("configs")
 
@@ -55,10 +55,6 @@ def first(value):
     if isinstance(value, (list, tuple)):
         return value[0] if value else None
     return value
-
-
-def _frozen(value):
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 class _Fields:
@@ -196,7 +192,7 @@ def _rope(cfg: dict) -> tuple[float, tuple | None]:
         rope["rope_type"] = rope.pop("type")
     if rope.get("rope_type", "default") == "default" and len(rope) <= 1:
         return float(theta), None
-    return float(theta), tuple(sorted((k, _frozen(v)) for k, v in rope.items()))
+    return float(theta), tuple(sorted((k, frozen(v)) for k, v in rope.items()))
 
 
 def spec_from_config(cfg: dict, name: str, source: str) -> ModelSpec:

@@ -183,11 +183,13 @@ def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
                           "must divide the other")
 
 
+def frozen(value):
+    """Lists (JSON's) as tuples, nested too, so a spec holding them hashes."""
+    return tuple(frozen(v) for v in value) if isinstance(value, list) else value
+
+
 def spec_from_dict(data: dict) -> ModelSpec:
     """A ModelSpec stored as JSON (dataclasses.asdict): its lists made tuples again, so it hashes."""
-    def frozen(value):
-        return tuple(frozen(v) for v in value) if isinstance(value, list) else value
-
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     return ModelSpec(**{k: frozen(v) for k, v in data.items() if k in names})
 
