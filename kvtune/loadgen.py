@@ -5,8 +5,8 @@ ssl and clean exits in the importing process). This module holds what both
 sides share — the replay plan, SSE parsing, the per-request sample — and the
 agent's launcher; `kvtune/locustfile.py` holds the Locust users.
 
-Each request is sent at its arrival time, however the server is doing; its
-lateness (sent - scheduled) is recorded, so a load generator that cannot keep
+Each request is sent at its arrival time, however the server is doing (or, in a
+closed loop, once one of its slots is free); its lateness (sent - scheduled) is recorded, so a load generator that cannot keep
 up is caught instead of silently turning into a closed loop.
 """
 from __future__ import annotations
@@ -96,28 +96,32 @@ def _free_port() -> int:
 
 
 def _locust_cmd(host: str, workload: str, samples: str, model: str | None, users: int, run_time_s: int,
-                json_file: str, shards: int) -> list[str]:
+                json_file: str, shards: int, max_concurrency: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
            "-u", str(users), "-r", str(users), "--run-time", f"{run_time_s}s", "--stop-timeout", "10",
            "--only-summary", "--loglevel", "WARNING", "--json-file", json_file,
            "--kvtune-workload", workload, "--kvtune-samples", samples, "--kvtune-shards", str(shards)]
     if model:
         cmd += ["--kvtune-model", model]
+    if max_concurrency:
+        cmd += ["--kvtune-max-concurrency", str(max_concurrency)]
     return cmd
 
 
 def run_load(host: str, workload_path: str, model: str | None = None, users: int = 256,
              run_time_s: int = 600, workers: int = 0, timeout_s: float | None = None,
-             watch=None, watch_interval_s: float = 1.0) -> LoadResult:
+             watch=None, watch_interval_s: float = 1.0, max_concurrency: int | None = None) -> LoadResult:
     """Replay `workload_path` against `host` with Locust in subprocesses; `workers` > 0
     runs a master and that many workers on loopback, each replaying its shard.
+    `max_concurrency`: a closed loop with at most that many requests in flight (locustfile.py).
 
     `watch()` is called every `watch_interval_s` while the replay runs; whatever it raises
     (the server died) ends the replay at once and is raised from here."""
     out = tempfile.mkdtemp(prefix="kvtune-load-")
     samples, json_base = os.path.join(out, "samples"), os.path.join(out, "locust")
     shards = max(workers, 1)
-    base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, json_base, shards)
+    users = max(users, max_concurrency or 0)  # one user per request in flight
+    base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, json_base, shards, max_concurrency)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     timeout_s = timeout_s or run_time_s + 60
     procs = []

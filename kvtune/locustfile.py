@@ -11,7 +11,12 @@ replays the requests whose index % N == k. The test ends by itself when every
 request has finished (or at --run-time).
 
 Every request is sent at its arrival time from the trace (t=0 is the test
-start); a free user picks up the next request and sleeps until it is due. Per
+start); a free user picks up the next request and sleeps until it is due. With
+--kvtune-max-concurrency N the replay is a closed loop (`vllm bench serve
+--max-concurrency N`): a user first takes one of N slots, then the next request
+in trace order, and frees the slot when its answer ends; so at most N are in
+flight and a request waiting for a slot goes out when one finishes (each worker
+of a distributed run keeps its share of N). Per
 request it records TTFT, every inter-token gap, TPOT, E2E, token counts,
 status and lateness into `<samples>.<shard>.jsonl`, and fires `ttft`, `tpot`
 and `e2e` entries into Locust's own statistics.
@@ -23,6 +28,7 @@ import json  # noqa: E402
 import time  # noqa: E402
 
 import gevent  # noqa: E402
+from gevent.lock import BoundedSemaphore  # noqa: E402
 
 from kvtune.loadgen import load_plan, sse_payload  # noqa: E402
 
@@ -34,13 +40,16 @@ def _add_arguments(parser):
     parser.add_argument("--kvtune-model", default="", help="model name to send (default: GET /v1/models)")
     parser.add_argument("--kvtune-shards", type=int, default=1, help="number of workers sharing the trace")
     parser.add_argument("--kvtune-text", action="store_true", help="send the trace's text prompts when it has them")
+    parser.add_argument("--kvtune-max-concurrency", type=int, default=0,
+                        help="a closed loop: at most N requests in flight (0: open loop)")
 
 
 class Replay:
     """This process's share of the trace and its progress."""
 
-    def __init__(self, environment, plan, samples_path: str, model: str, shard: int):
+    def __init__(self, environment, plan, samples_path: str, model: str, shard: int, slots: int = 0):
         self.environment = environment
+        self.slots = BoundedSemaphore(slots) if slots else None  # a closed loop's requests in flight
         self.shard = shard
         self.plan = plan
         self.next = 0
@@ -85,7 +94,8 @@ def _on_test_start(environment, **_):
     shard = runner.worker_index if isinstance(runner, WorkerRunner) else 0
     plan = load_plan(opts.kvtune_workload, shard, opts.kvtune_shards, opts.kvtune_text)
     model = opts.kvtune_model or _served_model(environment.host)
-    REPLAY = Replay(environment, plan, f"{opts.kvtune_samples}.{shard}.jsonl", model, shard)
+    REPLAY = Replay(environment, plan, f"{opts.kvtune_samples}.{shard}.jsonl", model, shard,
+                    shard_share(opts.kvtune_max_concurrency, shard, opts.kvtune_shards))
     if not plan:  # more workers than requests: this one is done before it starts
         REPLAY.out.close()
         if isinstance(runner, WorkerRunner):
@@ -106,26 +116,45 @@ def _served_model(host: str) -> str:
     return requests.get(host.rstrip("/") + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+def shard_share(max_concurrency: int, shard: int, shards: int) -> int:
+    """This shard's slots of a closed loop's `max_concurrency` (0: open loop), the rest to the first shards."""
+    if not max_concurrency:
+        return 0
+    return max(1, max_concurrency // shards + (shard < max_concurrency % shards))
+
+
 class TraceReplayUser(HttpUser):
     wait_time = constant(0)
 
     @task
     def replay(self):
-        item = REPLAY.take() if REPLAY is not None else None
+        if REPLAY is None:
+            gevent.sleep(0.5)
+            return
+        if REPLAY.slots is None:
+            self._replay_next(0.0)
+            return
+        with REPLAY.slots:  # a closed loop: a slot first, then the next request in trace order
+            self._replay_next(time.monotonic() - REPLAY.t0)
+
+    def _replay_next(self, free_s: float) -> None:
+        """Send the next request at its arrival, or at `free_s` (when its slot came free) if later."""
+        item = REPLAY.take()
         if item is None:
             gevent.sleep(0.5)  # nothing left for this user; the test ends when all finish
             return
-        delay = REPLAY.t0 + item.arrival_s - time.monotonic()
+        due = max(item.arrival_s, free_s)
+        delay = REPLAY.t0 + due - time.monotonic()
         if delay > 0:
             gevent.sleep(delay)
-        REPLAY.finish(self._send(item))
+        REPLAY.finish(self._send(item, due))
 
-    def _send(self, item) -> dict:
+    def _send(self, item, due: float) -> dict:
         body = {"model": REPLAY.model, "prompt": item.prompt, "max_tokens": item.max_tokens,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         sent = time.monotonic()
-        sample = {"index": item.index, "shard": REPLAY.shard, "scheduled_s": item.arrival_s, "sent_s": sent - REPLAY.t0,
-                  "lateness_s": max(0.0, sent - REPLAY.t0 - item.arrival_s), "ttft_s": None, "itl_s": [],
+        sample = {"index": item.index, "shard": REPLAY.shard, "scheduled_s": due, "sent_s": sent - REPLAY.t0,
+                  "lateness_s": max(0.0, sent - REPLAY.t0 - due), "ttft_s": None, "itl_s": [],
                   "tpot_s": None, "e2e_s": None, "output_tokens": 0, "prompt_tokens": None,
                   "finish_reason": None, "status": None, "error": None}
         try:

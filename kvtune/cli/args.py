@@ -18,6 +18,14 @@ def add_db_argument(parser) -> None:
                              "directory); e.g. sqlite:///runs.db, postgresql://user:pass@host:5432/kvtune")
 
 
+def add_max_concurrency(parser) -> None:
+    """`--max-concurrency N`, vLLM's name for a closed loop; read it with Workload.closed_loop."""
+    parser.add_argument("--max-concurrency", type=positive_int, metavar="N",
+                        help="a closed loop: at most N requests in flight, the next in trace order sent when "
+                             "one finishes (vllm bench serve --max-concurrency); default: open loop, each "
+                             "request at its arrival time")
+
+
 def name_or_url(names: tuple[str, ...]):
     """An argparse type: one of `names`, or a server URL (http://host:port)."""
     def parse(text: str) -> str:

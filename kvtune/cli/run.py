@@ -21,7 +21,7 @@ from .target import add_server_flags, live_target, refuse_unservable, simulated_
 from ..stopping import failure_reason
 from ..targets.sim import config_dict
 from ..workload import FORMATS, head, rate_scale, read_workload
-from .args import name_or_url, positive_float, positive_int
+from .args import add_max_concurrency, name_or_url, positive_float, positive_int
 
 TARGETS = ("sim", "engine", "vllm", "sglang")
 # Per target (and engine executor): the model and device presets when none is given.
@@ -42,6 +42,7 @@ def add_run_command(sub) -> None:
     p.add_argument("--rate-scale", type=positive_float, default=1.0, metavar="X",
                    help="replay at X times the trace's request rate (default: 1)")
     p.add_argument("--head", type=positive_int, metavar="N", help="only the first N requests")
+    add_max_concurrency(p)
     g = p.add_argument_group("model and device")
     g.add_argument("--hf-config", dest="preset", metavar="PATH",
                    help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
@@ -148,7 +149,7 @@ def _workload(args):
         workload = rate_scale(workload, args.rate_scale)
     if args.head:
         workload = head(workload, args.head)
-    return workload
+    return workload.closed_loop(args.max_concurrency)
 
 
 def format_summary(result: RunResult) -> str:

@@ -15,7 +15,7 @@ from ..store import resolve_db_url
 from ..targets import SimTarget
 from .target import add_server_flags, live_target, serves_on_cpu, simulated_model
 from ..workload import FORMATS, read_workload
-from .args import positive_float, positive_int
+from .args import add_max_concurrency, positive_float, positive_int
 from ..search.flow import SearchError, SearchRequest, run_search
 from ..search.objective import OBJECTIVES, Objective
 from ..search.slo import parse_slo
@@ -36,6 +36,7 @@ def add_search_command(sub) -> None:
                     "with a report and the exact launch command.")
     p.add_argument("--workload", required=True, metavar="FILE", help="the trace of your traffic")
     p.add_argument("--format", choices=FORMATS, help="trace format (default: detected)")
+    add_max_concurrency(p)
     p.add_argument("--slo", action="append", default=[], metavar="METRIC_pPCT=VALUE",
                    help="e.g. ttft_p95=500ms, tpot_p95=50ms, e2e_p99=10s (repeatable)")
     p.add_argument("--objective", choices=OBJECTIVES, default="goodput",
@@ -122,7 +123,8 @@ def _search(args, live_targets: list) -> int:
                                            ("enable_prefix_caching", args.search_prefix_caching)) if on)
     space = load_space(args.space_file, args.space, optional)
     db_url = resolve_db_url(args.db)
-    workload = read_workload(args.workload, format=args.format)  # a bad trace fails before anything is made
+    # a bad trace fails before anything is made
+    workload = read_workload(args.workload, format=args.format).closed_loop(args.max_concurrency)
     if args.profile:
         profile = get_profile(args.db, args.profile)
         sim = profile.sim_target()

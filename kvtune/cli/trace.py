@@ -132,7 +132,8 @@ def _add_synth(commands) -> None:
     size.add_argument("--duration", type=positive_float, metavar="S",
                       help="generate sessions for S seconds instead of a fixed count")
     parser.add_argument("--rate", type=positive_float, default=1.0,
-                        help="new sessions per second (= requests/s for single-turn; default: 1)")
+                        help="new sessions per second (= requests/s for single-turn; inf: all at t=0, as "
+                             "vllm bench serve --request-rate inf; default: 1)")
     parser.add_argument("--arrival", choices=sorted(ARRIVALS), default="poisson",
                         help="arrival process (default: poisson)")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,

@@ -295,9 +295,12 @@ class Stage1:
         return self.gpus // config.tensor_parallel_size if self.gpus else 1
 
     def replica_workload(self, config: EngineConfig):
-        """What one replica serves: the trace at 1 / replicas of its rate (an even split)."""
-        replicas = self.replicas(config)
-        return self.workload if replicas == 1 else rate_scale(self.workload, 1 / replicas)
+        """What one replica serves: the trace at 1 / replicas of its rate (an even split), and of a
+        closed loop's requests in flight."""
+        replicas, closed = self.replicas(config), self.workload.max_concurrency
+        if replicas == 1:
+            return self.workload
+        return rate_scale(self.workload, 1 / replicas).closed_loop(closed and math.ceil(closed / replicas))
 
     def _default_params(self) -> dict | None:
         """The default config (the report's and stage 2's), as the search stored it, else the first enqueued."""

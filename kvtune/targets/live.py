@@ -95,10 +95,11 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
             scraper.start()
         except ScrapeError as err:
             raise TargetRunError(str(err)) from None
-        run_time = math.ceil(workload.duration_s + options.drain_timeout_s)
+        run_time = math.ceil(workload.duration_s + options.drain_timeout_s * _waves(workload))
         try:
             load = run_load(url, path, model, options.users, run_time, options.workers,
-                            watch=server_watch(url, check_alive), watch_interval_s=options.watch_interval_s)
+                            watch=server_watch(url, check_alive), watch_interval_s=options.watch_interval_s,
+                            max_concurrency=workload.max_concurrency)
         except BaseException:  # the server died, or a signal: no last scrape of a server that is gone
             scraper.stop(final_scrape=False)
             raise
@@ -131,6 +132,12 @@ def run_live(url: str, workload: Workload, target: str, model_label: str | None,
     result.summary["host_cpu_busy"] = host_busy
     result.summary["host_cpu_others"] = host_others  # None: the server's share is not known (url target)
     return result
+
+
+def _waves(workload: Workload) -> int:
+    """How many rounds a closed loop sends at most (each may take up to the drain timeout); 1 open."""
+    n = workload.max_concurrency
+    return math.ceil(len(workload) / n) if n else 1
 
 
 # What the server reports of itself wins over what was asked of it: a run is labelled

@@ -6,15 +6,14 @@ With a calibrated profile's client overhead it also models the server's frontend
 (HTTP, parsing, tokenizing): one event loop takes requests in one at a time, each
 reaching the engine core once taken in, so a burst enters the engine staggered,
 as it does on a live server, not in one step. The overhead is the profile's idle
-value for a request that finds nothing in flight, its busy value otherwise (from
-a first replay without the frontend); latencies count from the frontend arrival.
+value for a request that finds nothing in flight, its busy value otherwise; latencies count
+from when the client sent the request (kvengine.engine.replay).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 
-import numpy as np
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.core.memory import KVCacheMemoryError
 from kvengine.core.request import Request, SamplingParams
@@ -46,19 +45,16 @@ class SimTarget:
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult:
         t0 = time.perf_counter()
-        arrivals = [r.arrival_s for r in workload.requests]
-        engine, rejected = self._replay(config, workload, arrivals)
-        if self.client_overhead_s or self.client_overhead_busy_s:
-            # a rejected request leaves at once (a 400), an answered one with its last token
-            ends = [arrivals[int(rid)] for rid in rejected] + [req.finish_time for req in engine.finished]
-            taken_in = self._frontend(arrivals, ends)
-            engine, rejected = self._replay(config, workload, taken_in)
-            delay = {str(i): t - a for i, (t, a) in enumerate(zip(taken_in, arrivals))}
-        else:
-            delay = {}
-        records = [_from_frontend(_record(req), delay.get(req.request_id, 0.0)) for req in engine.finished]
-        records += [RequestRecord(rid, workload.requests[int(rid)].arrival_s,
-                                  workload.requests[int(rid)].input_length,
+        try:
+            engine = LLMEngine(config, self.model, self.device, cost_coefficients=self.cost_coefficients)
+        except KVCacheMemoryError as err:
+            raise TargetStartError(str(err)) from err
+        rejected: dict[str, str] = {}
+        frontend = self._frontend() if self.client_overhead_s or self.client_overhead_busy_s else None
+        sent = engine.replay(_arrivals(workload), on_reject=lambda rid, err: rejected.setdefault(rid, str(err)),
+                             max_concurrency=workload.max_concurrency, frontend=frontend)
+        records = [_from_frontend(_record(req), req.arrival_time - sent[req.request_id]) for req in engine.finished]
+        records += [RequestRecord(rid, sent[rid], workload.requests[int(rid)].input_length,
                                   finish_reason="rejected", error=msg)
                     for rid, msg in rejected.items()]
         records.sort(key=lambda r: int(r.request_id))
@@ -72,32 +68,23 @@ class SimTarget:
         result.summary = summarize(result)
         return result
 
-    def _replay(self, config: EngineConfig, workload: Workload, times: list[float]):
-        """The engine after replaying the workload with request i reaching it at times[i]."""
-        try:
-            engine = LLMEngine(config, self.model, self.device, cost_coefficients=self.cost_coefficients)
-        except KVCacheMemoryError as err:
-            raise TargetStartError(str(err)) from err
-        rejected: dict[str, str] = {}
-        engine.replay(_arrivals(workload, times), on_reject=lambda rid, err: rejected.setdefault(rid, str(err)))
-        return engine, rejected
+    def _frontend(self):
+        """When a request sent at `sent_s` reaches the engine: a frontend takes requests in one at
+        a time in the order sent, each costing the busy overhead when others are in flight."""
+        free = float("-inf")
 
-    def _frontend(self, arrivals: list[float], ends: list[float]) -> list[float]:
-        """When each request is taken in by a frontend serving them in arrival order, busy
-        for a request with others in flight (arrived before it, not yet gone by `ends`)."""
-        ends = np.sort(ends)
-        taken_in, free = [], -np.inf
-        for i, t in enumerate(arrivals):
-            in_flight = i - np.searchsorted(ends, t, "right")
-            free = max(t, free) + (self.client_overhead_busy_s if in_flight > 0 else self.client_overhead_s)
-            taken_in.append(float(free))
-        return taken_in
+        def reaches(sent_s: float, in_flight: int) -> float:
+            nonlocal free
+            free = max(sent_s, free) + (self.client_overhead_busy_s if in_flight > 0 else self.client_overhead_s)
+            return free
+
+        return reaches
 
 
-def _arrivals(workload: Workload, times: list[float]):
+def _arrivals(workload: Workload):
     prompts = workload_prompt_token_ids(workload)
-    for i, (req, t, prompt) in enumerate(zip(workload.requests, times, prompts)):
-        yield t, str(i), prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)
+    for i, (req, prompt) in enumerate(zip(workload.requests, prompts)):
+        yield req.arrival_s, str(i), prompt, SamplingParams(max_tokens=req.output_length, ignore_eos=True)
 
 
 def _from_frontend(record: RequestRecord, delay_s: float) -> RequestRecord:

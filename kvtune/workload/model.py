@@ -5,6 +5,7 @@ format stores milliseconds; the reader and writer convert).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 DEFAULT_HASH_BLOCK_SIZE = 512  # Mooncake's tokens per hash id
@@ -36,6 +37,10 @@ class Workload:
     `failed` counts requests the trace records without an answer (BurstGPT rows
     with 0 response tokens, ShareGPT human turns with no reply), which cannot be
     replayed.
+
+    `max_concurrency` makes the replay a closed loop (vLLM's `vllm bench serve
+    --max-concurrency`): at most that many requests in flight, a request due while they are
+    waiting, in trace order, until one finishes. None: open loop, each request at its arrival.
     """
 
     requests: list[TraceRequest]
@@ -43,6 +48,7 @@ class Workload:
     source: str = ""
     skipped: int = 0
     failed: int = 0
+    max_concurrency: int | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -68,8 +74,14 @@ class Workload:
         return (len(self.requests) - 1) / duration if duration > 0 else 0.0
 
     def with_requests(self, requests: list[TraceRequest]) -> Workload:
-        """The same workload (block size, source, counters) with other requests."""
-        return Workload(requests, self.hash_block_size, self.source, self.skipped, self.failed)
+        """The same workload (block size, source, counters, concurrency limit) with other requests."""
+        return dataclasses.replace(self, requests=requests)
+
+    def closed_loop(self, max_concurrency: int | None) -> Workload:
+        """The same requests replayed with at most `max_concurrency` in flight (None: open loop)."""
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max concurrency must be at least 1, got {max_concurrency}")
+        return dataclasses.replace(self, max_concurrency=max_concurrency)
 
 
 def blocks_for(input_length: int, hash_block_size: int) -> int:

@@ -64,8 +64,10 @@ class SynthSpec:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.duration_s is not None and not (0 < self.duration_s < math.inf):
             raise ValueError(f"duration_s must be a finite number > 0, got {self.duration_s}")
-        if not (0 < self.rate < math.inf):
-            raise ValueError(f"rate must be a finite number > 0 sessions/s, got {self.rate}")
+        if not self.rate > 0:
+            raise ValueError(f"rate must be > 0 sessions/s (inf: all at t=0), got {self.rate}")
+        if math.isinf(self.rate) and self.duration_s is not None:
+            raise ValueError("an infinite rate needs a request count, not a duration")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if not self.burstiness > 0:

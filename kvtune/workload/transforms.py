@@ -90,7 +90,7 @@ def length_scale(workload: Workload, factor: float, max_input: int | None = None
                        _scaled(r.output_length, factor, max_output), block_size, tail_ids)
         for r in workload.requests
     ]
-    return Workload(requests, block_size, workload.source, workload.skipped, workload.failed)
+    return replace(workload, requests=requests, hash_block_size=block_size)
 
 
 def _scale_request(req: TraceRequest, input_length: int, output_length: int, hash_block_size: int,

@@ -8,6 +8,7 @@ from typing import Iterable
 from kvengine.core.kv_cache_manager import KVCacheManager
 from kvengine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvengine.engine.clock import VirtualClock, WallClock
+from kvengine.engine.replay import replay
 from kvengine.config import DeviceSpec, EngineConfig, ModelSpec
 from kvengine.core.contiguous import ContiguousKVCacheManager
 from kvengine.executor.cost import CostCoefficients, StepCost
@@ -47,6 +48,7 @@ class StepResult:
     new_tokens: list[tuple[Request, int]]
     finished: list[Request]
     preempted: list[Request]
+    num_scheduled: int = 0  # requests the step ran: 0 when none could be scheduled
 
 
 class LLMEngine:
@@ -147,7 +149,7 @@ class LLMEngine:
         self.finished.extend(finished)
         if self.record_steps:
             self._log_step(out, now, now - start, len(new_tokens))
-        return StepResult(new_tokens, finished, out.preempted)
+        return StepResult(new_tokens, finished, out.preempted, len(out.scheduled))
 
     def _log_step(self, out, now: float, duration: float, generated: int) -> None:
         s, sched, stats = self.steps, self.scheduler, self.kv.prefix_stats
@@ -167,26 +169,8 @@ class LLMEngine:
         s.context_tokens.append(sum([req.num_computed_tokens for req in out.scheduled]))
 
     # -- virtual-time replay -------------------------------------------------
-    def replay(self, arrivals: Iterable[tuple[float, str, list[int], SamplingParams]],
-               on_reject=None) -> None:
-        """Run a whole workload in virtual time: (arrival_s, id, prompt, params), sorted
-        by arrival. Idle gaps are skipped; rejected prompts go to `on_reject(id, error)`."""
-        pending = iter(arrivals)
-        nxt = next(pending, None)
-        clock = self.clock
-        while nxt is not None or self.has_unfinished():
-            while nxt is not None and nxt[0] <= clock.now:
-                try:
-                    self.add_request(nxt[1], nxt[2], nxt[3], arrival_time=nxt[0])
-                except ValueError as err:
-                    if on_reject is None:
-                        raise
-                    on_reject(nxt[1], err)
-                nxt = next(pending, None)
-            if self.has_unfinished():
-                logged = len(self.steps)
-                self.step()
-                if len(self.steps) == logged and nxt is None:
-                    raise RuntimeError("engine stalled: requests remain but none can be scheduled")
-            elif nxt is not None:
-                clock.advance_to(nxt[0])
+    def replay(self, arrivals: Iterable[tuple[float, str, list[int], SamplingParams]], on_reject=None,
+               max_concurrency: int | None = None, frontend=None) -> dict[str, float]:
+        """Run a whole workload in virtual time (kvengine.engine.replay.replay): open loop, or
+        closed at `max_concurrency` requests in flight; returns each request's send time."""
+        return replay(self, arrivals, on_reject, max_concurrency, frontend)
