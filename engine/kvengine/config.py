@@ -37,6 +37,15 @@ class DeviceSpec:
     # all-reduce's fixed latency, what a step pays twice a layer (vLLM's row-parallel reductions).
     interconnect_bandwidth: float = 32e9  # PCIe Gen4 x16
     allreduce_latency_s: float = 20e-6
+    # The measured NCCL all-reduce table of this interconnect (executor/data/allreduce.csv), which
+    # prices a step's all-reduces by message size and ranks; "": the bandwidth and latency above.
+    allreduce_table: str = ""
+    # Dense FP8 tensor FLOP/s, what an fp8 checkpoint's GEMMs run at (W8A8); 0: no FP8 tensor cores
+    # (Ampere: vLLM runs fp8 weights as W8A16, dequantized into bf16 GEMMs).
+    fp8_flops: float = 0.0
+    # Which fitted GPU efficiencies (executor/data/gpu_efficiency.json) time this device's kernels;
+    # "": CostCoefficients' defaults.
+    kernels: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,28 +76,41 @@ def platform_block_size(model: ModelSpec, device: DeviceSpec, asked: int) -> int
 # Model shapes: each model's published config.json, shipped in kvengine/model/configs/.
 MODEL_PRESETS: dict[str, ModelSpec] = preset_specs()
 
-# Memory, HBM bandwidth and dense BF16 tensor FLOP/s from the vendors' datasheets:
-#   H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet (80 GB HBM3, 3.35 TB/s, 989 TFLOPS BF16 dense)
-#   H200 SXM 141GB: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOPS BF16 dense)
-#   A100 SXM 80GB / 40GB: NVIDIA A100 datasheet (2,039 GB/s / 1,555 GB/s, 312 TFLOPS BF16 dense)
-#   A10 24GB: NVIDIA A10 datasheet (600 GB/s GDDR6, 125 TFLOPS BF16 dense)
-#   L4 24GB: NVIDIA L4 datasheet (300 GB/s GDDR6, 121 TFLOPS BF16 dense)
-# NVLink per direction: 450 GB/s on H100/H200 SXM (NVLink 4, 900 GB/s total), 300 GB/s on A100
-# SXM (NVLink 3, 600 GB/s total); A10 and L4 talk over PCIe Gen4 x16 (DeviceSpec's default).
-# The all-reduce latencies are typical NCCL small-message figures, to be replaced by calibration.
+# Memory, HBM bandwidth and dense BF16 / FP8 tensor FLOP/s from the vendors' datasheets
+# (dense: the datasheets' sparsity figures halved):
+#   H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet (80 GB HBM3, 3.35 TB/s, 989 / 1,979 TFLOPS)
+#   H200 SXM 141GB: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 / 1,979 TFLOPS)
+#   B200 (HGX B200, 180 GB): NVIDIA HGX B200 datasheet (180 GB HBM3e, 7.7 TB/s, 2.25 / 4.5 PFLOPS)
+#   A100 SXM 80GB / 40GB: NVIDIA A100 datasheet (2,039 GB/s / 1,555 GB/s, 312 TFLOPS BF16, no FP8)
+#   L40S 48GB: NVIDIA L40S datasheet (864 GB/s GDDR6, 362 / 733 TFLOPS)
+#   A10 24GB: NVIDIA A10 datasheet (600 GB/s GDDR6, 125 TFLOPS BF16, no FP8)
+#   L4 24GB: NVIDIA L4 datasheet (300 GB/s GDDR6, 121 / 242.5 TFLOPS)
+# NVLink per direction: 900 GB/s on B200 (NVLink 5), 450 GB/s on H100/H200 SXM (NVLink 4), 300 GB/s
+# on A100 SXM (NVLink 3); L40S, A10 and L4 talk over PCIe Gen4 x16 (DeviceSpec's default).
+# All-reduces on NVLink 3 and 4 are priced from NCCL timings measured on DGX A100 and DGX H100 nodes
+# (Vidur's profiles, executor/data/allreduce.csv); B200 and the PCIe cards from bandwidth and a
+# typical small-message latency. Kernel efficiencies (`kernels`) are fitted to Vidur's per-operation
+# timings on A100 and H100 (executor/data/gpu_efficiency.json); H200 and B200 take Hopper's, the Ada
+# and Ampere PCIe cards A100's: unmeasured, and labelled so in gpu_efficiency.json's notes.
 # `cpu` is a rough 2-core x86 server (DDR bandwidth share, AVX2 FP32), an estimate,
 # meant only to be replaced by a calibrated profile.
-NVLINK4 = {"interconnect_bandwidth": 450e9, "allreduce_latency_s": 8e-6}
-NVLINK3 = {"interconnect_bandwidth": 300e9, "allreduce_latency_s": 10e-6}
+NVLINK5 = {"interconnect_bandwidth": 900e9, "allreduce_latency_s": 8e-6}
+NVLINK4 = {"interconnect_bandwidth": 450e9, "allreduce_latency_s": 8e-6, "allreduce_table": "nvlink4"}
+NVLINK3 = {"interconnect_bandwidth": 300e9, "allreduce_latency_s": 10e-6, "allreduce_table": "nvlink3"}
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, large_memory=True, **NVLINK4),
-        DeviceSpec("h200-141gb", 141 * GiB, 4.8e12, 989e12, large_memory=True, **NVLINK4),
-        DeviceSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12, **NVLINK3),
-        DeviceSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12, **NVLINK3),
-        DeviceSpec("a10-24gb", 24 * GiB, 600e9, 125e12),
-        DeviceSpec("l4-24gb", 24 * GiB, 300e9, 121e12),
+        DeviceSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, large_memory=True, fp8_flops=1979e12, kernels="hopper",
+                   **NVLINK4),
+        DeviceSpec("h200-141gb", 141 * GiB, 4.8e12, 989e12, large_memory=True, fp8_flops=1979e12, kernels="hopper",
+                   **NVLINK4),
+        DeviceSpec("b200-180gb", 180 * GiB, 7.7e12, 2250e12, large_memory=True, fp8_flops=4500e12,
+                   kernels="hopper", **NVLINK5),
+        DeviceSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12, kernels="ampere", **NVLINK3),
+        DeviceSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12, kernels="ampere", **NVLINK3),
+        DeviceSpec("l40s-48gb", 48 * GiB, 864e9, 362e12, fp8_flops=733e12, kernels="ampere"),
+        DeviceSpec("a10-24gb", 24 * GiB, 600e9, 125e12, kernels="ampere"),
+        DeviceSpec("l4-24gb", 24 * GiB, 300e9, 121e12, fp8_flops=242.5e12, kernels="ampere"),
         DeviceSpec("cpu", 16 * GiB, 20e9, 100e9, non_torch_overhead_bytes=256 << 20),
     )
 }

@@ -59,7 +59,7 @@ class SimExecutor:
                 seed = req.all_token_ids[0] if n else 0
                 sampled.append(SIM_TOKEN_LOW + (seed * 7919 + n * 104729) % span)
         shape = step_shape(out, sampled, self.cost.attention_key_block, self.cost.context_chunk_all_keys,
-                           self.cost.block_size)
+                           self.cost.block_size, self.cost.window)
         return ExecutorOutput(sampled, self.step_time(shape))
 
     def step_time(self, shape: StepShape) -> float:

@@ -7,8 +7,8 @@ at the KV dtype's bytes per element, writes the new tokens' K/V, and does
 hidden per sampled token (logits are computed only where a token is sampled:
 a prefill chunk's last row, each decode), plus the attention FLOPs (a decode's at
 their own share of peak where the coefficients give one). Its time is
-max(memory time, compute time) + a fixed per-step overhead + a per-sequence
-overhead (+ a quantized cache's dequantization: per step, and per K/V element
+max(memory time, compute time) + a fixed per-step overhead (and a floor per
+decoder layer: its small kernels' fixed time on a GPU) + a per-sequence overhead (+ a quantized cache's dequantization: per step, and per K/V element
 gathered). Small blocks read K/V less efficiently (more block-table lookups
 and partial tiles per byte), which is how block_size enters.
 
@@ -17,8 +17,12 @@ server (`kvtune calibrate`) can replace them.
 """
 from __future__ import annotations
 
+import csv
+import functools
+import json
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +45,9 @@ class CostCoefficients:
     compute_efficiency: float = 0.55  # achieved share of dense FLOP/s (MFU of the GEMMs)
     attention_efficiency: float = 0.35  # attention kernels reach less of peak than GEMMs
     step_overhead_s: float = 1.5e-3  # scheduling, input prep, launch, sampling per step
+    # per decoder layer per step: the floor of its small kernels (norms, rotary, activation,
+    # residual adds), which take a few microseconds each on a GPU however few the tokens
+    layer_overhead_s: float = 0.0
     per_seq_overhead_s: float = 1.0e-5  # per scheduled request per step
     # per request with a prefill chunk in the step: attention launched per sequence (a CPU's
     # sdpa per chunk and layer); 0 for varlen kernels that take every chunk in one launch
@@ -147,13 +154,15 @@ class StepShape:
     # K/V tokens a gathering attention path reads: every decode padded to the longest decode's
     # blocks (one padded batch), each prefill chunk's context in whole blocks
     gathered_tokens: int = 0
+    # what a sliding-window layer reads of the same contexts: each request's last `window` tokens
+    windowed_context_tokens: int = 0
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The shape as one row of StepCost.step_times' input (np.array of a list of shapes)."""
         samples = self.num_seqs if self.num_samples is None else self.num_samples
         return np.array((self.num_tokens, self.num_seqs, self.context_tokens, self.attention_token_pairs, samples,
                          self.num_prefills, self.num_busy_arrivals, self.decode_token_pairs,
-                         self.context_chunk_pairs, self.gathered_tokens), dtype=dtype)
+                         self.context_chunk_pairs, self.gathered_tokens, self.windowed_context_tokens), dtype=dtype)
 
 
 # The columns of StepCost.step_times' input, in order.
@@ -188,12 +197,13 @@ def kernel_pairs(new_tokens: int, context: int, key_block: int, all_keys_after_c
 
 
 def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int = 0,
-               all_keys_after_context: bool = False, block_size: int = 1) -> StepShape:
+               all_keys_after_context: bool = False, block_size: int = 1, window: int | None = None) -> StepShape:
     """The shape of a scheduled step (the scheduler has advanced each request's
     num_computed_tokens to its context after the step), its prefill pairs counted as a
     kernel taking keys `key_block` at a time does (kernel_pairs), its gathered tokens in
-    blocks of `block_size`; `sampled` the executor's tokens, None where a prefill chunk
-    samples none."""
+    blocks of `block_size`, its contexts as a sliding-window layer of `window` reads them;
+    `sampled` the executor's tokens, None where a prefill chunk samples none."""
+    windowed = sum(min(req.num_computed_tokens, window) for req in out.scheduled) if window else 0
     context = decode_pairs = prefill_pairs = chunk_pairs = prefills = gathered = decodes = longest = 0
     for req, n in zip(out.scheduled, out.num_new_tokens):
         ctx = req.num_computed_tokens
@@ -214,7 +224,7 @@ def step_shape(out: SchedulerOutput, sampled: list[int | None], key_block: int =
     if len(scheduled) > out.num_new_reqs:  # beside running ones; a resumed request is no arrival
         busy = sum(1 for req in scheduled[len(scheduled) - out.num_new_reqs:] if req.num_preemptions == 0)
     return StepShape(out.total_tokens, len(scheduled), context, decode_pairs + prefill_pairs,
-                     len(sampled) - sampled.count(None), prefills, busy, decode_pairs, chunk_pairs, gathered)
+                     len(sampled) - sampled.count(None), prefills, busy, decode_pairs, chunk_pairs, gathered, windowed)
 
 
 # How the torch executor's prefill attention (model.Attention._prefill: sdpa) counts its pairs,
@@ -235,7 +245,7 @@ class StepCost:
     """The per-configuration constants of the roofline, computed once."""
 
     weight_bytes: float  # read per step
-    kv_read_bytes_per_token: float  # divided by the block-size (and K/V bandwidth) efficiency
+    kv_read_bytes_per_token: float  # the full-attention layers', divided by the block-size (and K/V bandwidth) efficiency
     kv_write_bytes_per_token: float
     flops_per_token: float  # the transformer layers
     flops_per_sample: float  # the lm_head, per sampled token
@@ -245,7 +255,7 @@ class StepCost:
     attention_flops_per_s: float
     decode_attention_flops_per_s: float
     context_attention_flops_per_s: float
-    step_overhead_s: float
+    step_overhead_s: float  # with the layers' kernel floor
     per_seq_overhead_s: float
     per_prefill_overhead_s: float
     busy_arrival_overhead_s: float
@@ -258,16 +268,26 @@ class StepCost:
     # 1 - expert_miss ** tokens (each token picks k of E experts, uniformly: the expected distinct ones).
     routed_expert_bytes: float = 0.0
     expert_miss: float = 1.0  # 1 - k / E
-    # Tensor parallelism: two all-reduces of the hidden states a layer, each a fixed latency plus a
-    # ring's 2 (T - 1) / T of the bytes over the interconnect, not overlapped with the compute.
+    # Tensor parallelism: two all-reduces of the hidden states a layer, not overlapped with the
+    # compute; each a fixed latency plus a ring's 2 (T - 1) / T of the bytes over the interconnect,
+    # or, where the interconnect's NCCL timings were measured, those at the message's size.
     allreduce_s: float = 0.0
     allreduce_s_per_token: float = 0.0
+    allreduce_curve: tuple = ()  # (log bytes, log seconds) of one all-reduce, measured; () if none
+    allreduce_bytes_per_token: float = 0.0
+    allreduces: int = 0
+    # Sliding-window layers (Gemma 2/3, gpt-oss, Mistral v0.1): their K/V bytes per token of the
+    # windowed contexts (StepShape.windowed_context_tokens), and the window step_shape caps them at.
+    kv_windowed_read_bytes_per_token: float = 0.0
+    window: int | None = None
 
     @classmethod
     def build(cls, model: ModelSpec, device: DeviceSpec, kv_cache_dtype: str, block_size: int,
               coeffs: CostCoefficients | None = None) -> "StepCost":
-        c = coeffs or CostCoefficients()
+        c = coeffs or device_coefficients(device)
         kv_token = kv_bytes_per_token(model, kv_cache_dtype)
+        kinds = model.attention_kinds
+        sliding = kinds.count("sliding") / len(kinds)  # each layer's cache is the same size
         block_eff = block_size / (block_size + c.block_overhead_tokens)
         # slower (or faster) K/V reads than the weights': more (fewer) bytes at the same rate
         block_eff *= c.resolved("kv_memory_efficiency") / c.memory_efficiency
@@ -280,19 +300,22 @@ class StepCost:
         active = model.num_params - routed * (1 - model.num_experts_per_tok / experts) if experts else model.num_params
         tp, ring = model.tensor_parallel_size, 2 * (model.tensor_parallel_size - 1) / model.tensor_parallel_size
         reductions = 2 * model.num_layers if tp > 1 else 0
+        curve = allreduce_curve(device.allreduce_table, tp) if reductions else ()
+        # fp8 checkpoints run W8A8 GEMMs at the FP8 tensor rate where the device has one
+        gemm_flops = device.fp8_flops if model.weight_quant == "fp8" and device.fp8_flops else device.bf16_flops
         return cls(
             weight_bytes=float(model.weight_bytes - gathered_embedding * model.dtype_bytes - model.routed_expert_bytes),
-            kv_read_bytes_per_token=kv_token / block_eff,
+            kv_read_bytes_per_token=kv_token * (1 - sliding) / block_eff,
             kv_write_bytes_per_token=float(kv_token),
             flops_per_token=2.0 * (active - vocab_matrices * vocab_matrix),
             flops_per_sample=2.0 * vocab_matrix,
             attention_flops_per_pair=attn_pair,
             bytes_per_s=device.hbm_bandwidth * c.memory_efficiency,
-            flops_per_s=device.bf16_flops * c.compute_efficiency,
+            flops_per_s=gemm_flops * c.compute_efficiency,
             attention_flops_per_s=device.bf16_flops * c.attention_efficiency,
             decode_attention_flops_per_s=device.bf16_flops * c.resolved("decode_attention_efficiency"),
             context_attention_flops_per_s=device.bf16_flops * c.resolved("context_attention_efficiency"),
-            step_overhead_s=c.step_overhead_s,
+            step_overhead_s=c.step_overhead_s + c.layer_overhead_s * model.num_layers,
             per_seq_overhead_s=c.per_seq_overhead_s,
             per_prefill_overhead_s=c.per_prefill_overhead_s,
             busy_arrival_overhead_s=c.busy_arrival_overhead_s,
@@ -304,8 +327,14 @@ class StepCost:
             block_size=block_size,
             routed_expert_bytes=float(model.routed_expert_bytes),
             expert_miss=1 - model.num_experts_per_tok / experts if experts else 1.0,
-            allreduce_s=reductions * device.allreduce_latency_s,
-            allreduce_s_per_token=reductions * ring * model.hidden_size * model.dtype_bytes / device.interconnect_bandwidth,
+            allreduce_s=0.0 if curve else reductions * device.allreduce_latency_s,
+            allreduce_s_per_token=0.0 if curve else (
+                reductions * ring * model.hidden_size * model.dtype_bytes / device.interconnect_bandwidth),
+            allreduce_curve=curve,
+            allreduce_bytes_per_token=float(model.hidden_size * model.dtype_bytes),
+            allreduces=reductions,
+            kv_windowed_read_bytes_per_token=kv_token * sliding / block_eff,
+            window=model.sliding_window if sliding else None,
         )
 
     def step_time(self, shape: StepShape) -> float:
@@ -315,7 +344,8 @@ class StepCost:
         samples = shape.num_seqs if shape.num_samples is None else shape.num_samples
         return self._seconds(max, shape.num_tokens, shape.num_seqs, shape.context_tokens,
                              shape.attention_token_pairs, samples, shape.num_prefills, shape.num_busy_arrivals,
-                             shape.decode_token_pairs, shape.context_chunk_pairs, shape.gathered_tokens)
+                             shape.decode_token_pairs, shape.context_chunk_pairs, shape.gathered_tokens,
+                             shape.windowed_context_tokens)
 
     def step_times(self, shapes: np.ndarray) -> np.ndarray:
         """step_time of each row of `shapes` ([N, SHAPE_FIELDS], StepShape's fields in order, all given),
@@ -324,16 +354,61 @@ class StepCost:
         seconds = self._seconds(np.maximum, *columns)
         return np.where(columns[0] == 0, 0.0, seconds)
 
+    def _measured_allreduces(self, num_tokens):
+        """The step's all-reduces at the measured NCCL time of their size (log-log interpolation)."""
+        if not self.allreduce_curve:
+            return 0.0
+        log_bytes, log_s = self.allreduce_curve
+        size = np.log(np.maximum(num_tokens, 1) * self.allreduce_bytes_per_token)
+        return self.allreduces * np.exp(np.interp(size, log_bytes, log_s))
+
     def _seconds(self, maximum, num_tokens, num_seqs, context_tokens, attention_token_pairs, samples,
-                 num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs, gathered_tokens):
+                 num_prefills, num_busy_arrivals, decode_token_pairs, context_chunk_pairs, gathered_tokens,
+                 windowed_context_tokens):
         """The roofline of one step (or of arrays of them: `maximum` is max or np.maximum)."""
         mem = (self.weight_bytes + self.routed_expert_bytes * (1 - self.expert_miss ** num_tokens)
-               + context_tokens * self.kv_read_bytes_per_token + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
+               + context_tokens * self.kv_read_bytes_per_token
+               + windowed_context_tokens * self.kv_windowed_read_bytes_per_token + num_tokens * self.kv_write_bytes_per_token) / self.bytes_per_s
         compute = ((num_tokens * self.flops_per_token + samples * self.flops_per_sample) / self.flops_per_s
                    + ((attention_token_pairs - decode_token_pairs - context_chunk_pairs) / self.attention_flops_per_s
                       + decode_token_pairs / self.decode_attention_flops_per_s
                       + context_chunk_pairs / self.context_attention_flops_per_s) * self.attention_flops_per_pair)
         return (maximum(mem, compute) + self.allreduce_s + num_tokens * self.allreduce_s_per_token
+                + self._measured_allreduces(num_tokens)
                 + self.step_overhead_s + num_seqs * self.per_seq_overhead_s
                 + gathered_tokens * self.kv_dequant_s_per_token + self.quantized_step_overhead_s
                 + num_prefills * self.per_prefill_overhead_s + num_busy_arrivals * self.busy_arrival_overhead_s)
+
+
+DATA = Path(__file__).with_name("data")
+
+
+@functools.cache
+def allreduce_curve(table: str, ranks: int) -> tuple:
+    """(log bytes, log seconds) of one all-reduce over `ranks` GPUs on `table`'s interconnect, from
+    data/allreduce.csv (NCCL timings measured on DGX nodes; see benchmarks/data/vidur/SOURCES.md),
+    made non-decreasing in size (a smaller message never costs more: the dips are the timer's noise);
+    () where the table has no such rows. Beyond its largest size it grows with the bytes."""
+    if not table:
+        return ()
+    with open(DATA / "allreduce.csv") as f:
+        rows = sorted((int(r["bytes"]), float(r["median_ms"]) / 1e3) for r in csv.DictReader(f)
+                      if r["interconnect"] == table and int(r["ranks"]) == ranks)
+    if not rows:
+        return ()
+    sizes = np.array([b for b, _ in rows], dtype=float)
+    seconds = np.minimum.accumulate(np.array([t for _, t in rows])[::-1])[::-1]
+    # past the last measured size, bandwidth-bound: time in proportion to the bytes
+    sizes, seconds = np.append(sizes, sizes[-1] * 1e6), np.append(seconds, seconds[-1] * 1e6)
+    return tuple(np.log(sizes)), tuple(np.log(seconds))
+
+
+@functools.cache
+def device_coefficients(device: DeviceSpec) -> CostCoefficients:
+    """The cost coefficients of a device preset's kernels: fitted to public GPU measurements
+    (data/gpu_efficiency.json, written by benchmarks/gpu_fidelity.py --fit) where its `kernels`
+    name a fit, CostCoefficients' defaults otherwise."""
+    if not device.kernels:
+        return CostCoefficients()
+    fitted = json.loads((DATA / "gpu_efficiency.json").read_text())["kernels"][device.kernels]
+    return CostCoefficients(**fitted["coefficients"])
