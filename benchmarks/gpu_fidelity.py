@@ -243,6 +243,16 @@ def main() -> int:
         print(f"{r['source_id'][:28]:28} {r['model'][-24:]:24} {r['gpu']:10} {r['tensor_parallel_size']:>2} "
               f"{r['input_len'] + '/' + r['output_len']:>11} {r['max_concurrency'] or 'all':>5} "
               f"{ttft_meas * 1e3:10.1f} {ttft_pred * 1e3:10.1f} {tpot_text}")
+    by = defaultdict(lambda: defaultdict(list))
+    for row in e2e:
+        for name in ("ttft", "tpot", "latency"):
+            if row.get(f"{name}_measured"):
+                by[(row["model"], row["gpu"])][name].append(rel(row[f"{name}_sim"], row[f"{name}_measured"]))
+    print(f"\n{'model':40} {'gpu':10} " + " ".join(f"{n + ' median/p90 |err|':>26}" for n in ("TTFT", "TPOT", "latency")))
+    for (model, gpu), errs in sorted(by.items()):
+        cells = [f"{np.median(errs[n]):12.1%} {np.quantile(errs[n], 0.9):6.1%} ({len(errs[n])})" if errs[n]
+                 else f"{'-':>26}" for n in ("ttft", "tpot", "latency")]
+        print(f"{model:40} {gpu:10} " + " ".join(f"{c:>26}" for c in cells))
     print(f"\nunrepresentable rows ({len(unrepresentable)}):")
     for line in dict.fromkeys(u.split(" tp")[0] + (": " + u.split(": ", 1)[1] if " tp" in u else "")
                               if u.startswith("per-op") else u for u in unrepresentable):

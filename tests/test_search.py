@@ -68,6 +68,25 @@ def test_search_cli_end_to_end_and_resume_extends(tmp_path):
     assert p.returncode == 2 and "created with slos" in p.stderr
 
 
+def test_a_closed_loop_search_keeps_its_concurrency_and_refuses_another_on_resume(tmp_path):
+    """`--max-concurrency` reaches every stage-1 run (no run has more in flight), is part of the
+    study (a resume with another is refused), and has no rate for the capacity objective to scale."""
+    trace = tmp_path / "t.jsonl"
+    write_workload(busy_workload(40, 1000.0), str(trace))
+    db = f"sqlite:///{tmp_path}/s.db"
+    args = ["search", "--workload", str(trace), "--slo", "ttft_p95=3s", "--device", "l4-24gb", "--max-model-len",
+            "4096", "--target", "none", "--db", db, "--study", "closed", "--no-report", "--trials", "4"]
+    p = kvtune(*args, "--max-concurrency", "3")
+    assert p.returncode == 0, p.stderr
+    store = Store(db)
+    runs = [store.load_run(r.id) for r in store.list_runs()]
+    assert runs and all(max(run.series["num_running"]) + max(run.series["num_waiting"]) <= 3 for run in runs)
+    p = kvtune(*args, "--max-concurrency", "8")
+    assert p.returncode == 2 and "max_concurrency 3" in p.stderr
+    p = kvtune(*args[:-4], "--study", "cap", "--objective", "capacity", "--max-concurrency", "3")
+    assert p.returncode == 2 and "--max-concurrency" in p.stderr
+
+
 def test_nothing_meets_the_slos_is_said_not_crashed(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_workload(busy_workload(60, 20.0), str(trace))

@@ -116,6 +116,9 @@ def _search(args, live_targets: list) -> int:
     try:
         slos = tuple(parse_slo(s) for s in args.slo)
         objective = Objective(args.objective, slos, latency=args.latency)
+        if args.max_concurrency and args.objective == "capacity":
+            raise ValueError("--objective capacity scales the arrival rate, and with --max-concurrency the "
+                             "clients' slots set it: choose goodput or throughput for a closed loop")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -125,7 +125,8 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
              "slo_specs": [{"metric": s.metric, "percentile": s.percentile, "threshold_s": s.threshold_s} for s in slos],
              "space": {k.name: knob_text(k) for k in space.knobs},
              "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype,
-             "tensor_parallel_size": req.tensor_parallel_size, "model": model.name, "gpus": req.gpus}
+             "tensor_parallel_size": req.tensor_parallel_size, "model": model.name, "gpus": req.gpus,
+             "max_concurrency": req.workload.max_concurrency}
     study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
                        attrs)
     stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials, gpus=req.gpus)
