@@ -24,8 +24,9 @@ def stages_section(data: ReportData) -> list[Block]:
         where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
         intro = (f"Stage 1 replays the workload on the simulator; stage 2 runs the best configs and the target's "
                  f"default several times each, interleaved, on {', '.join(where)}. Live figures are the mean of "
-                 "the runs with its 95 % bootstrap interval in brackets and the number of runs; a config wins only "
-                 "where its interval clears the default's. " + describe(data.verdict))
+                 "the runs with its Student-t 95 % interval in brackets and the number of runs; a config wins only "
+                 "where a one-sided Welch t-test against the default says so at the stated error budget. "
+                 + describe(data.verdict))
     else:
         intro = ("Stage 2 did not run (`--target none`), so only the simulator's numbers exist. The best stage-1 "
                  "configs and the target's default:")

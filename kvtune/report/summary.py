@@ -80,7 +80,7 @@ def _verdict(data: ReportData, diagnoses: list[Diagnosis]) -> Callout:
         rec = v.recommended
         lines = [params_text(rec.params), _headline_figures(data, rec), *(f"• {r}" for r in v.reasons)]
         if len(v.tied) > 1:
-            lines.append(f"{len(v.tied)} configs are indistinguishable from the best within the spread of their "
+            lines.append(f"{len(v.tied)} configs are indistinguishable from the best by a Welch t-test over their "
                          "runs (section 2): the one that changes the fewest flags from the default is the one named.")
         return Callout("ok", title, lines)
     if v.kind == INCONCLUSIVE:

@@ -25,8 +25,9 @@ GLOSSARY = [
     ("**stage 1** runs on kvtune's simulator (the engine's real scheduler and KV cache, modelled step "
      "times); **stage 2** runs the best configs and the target's default several times each, interleaved, "
      "on the live target."),
-    ("**[lo, hi]**: the 95 % bootstrap interval of a mean over repeated runs; a config beats another only "
-     "when their intervals do not overlap."),
+    ("**[lo, hi]**: the Student-t 95 % interval of a mean over repeated runs. A config beats the default "
+     "only where a one-sided Welch t-test says so, Holm-corrected over the configs compared and with the "
+     "5 % error budget split over stage 2's looks; the verdict gives the p-value and the difference's interval."),
 ]
 
 

@@ -155,7 +155,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         if notes:
             ranked = ranked_trials(study, req.objective)
             feasible = [t for t in ranked if is_feasible(t)]
-        _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live)
+        _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study)
     return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, sim, store, stage1, say))
 
 
@@ -179,12 +179,14 @@ def _check_live(req: SearchRequest, live, config: EngineConfig, sim_base: Engine
     return req.sim.with_model(dataclasses.replace(req.sim.model, dtype=dtype))
 
 
-def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live) -> None:
+def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study) -> None:
     candidates, notes = live_candidates(ranked, req.top_k, dflt)
     for note in notes:
         say(f"note: {note}")
     live_workload = head(req.workload, req.live_head) if req.live_head else req.workload
     plan = req.plan
+    candidates = plan.fit(candidates)  # before the looks are counted: a tight budget lowers the repeats
+    study.set_user_attr("live_looks", plan.looks)  # the report's verdict spends the error budget as stage 2 did
     say(f"stage 2: {len(candidates)} configs on the {req.live_kind} target, {plan.repeats}-{plan.max_repeats} "
         f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
     run_stage2(live.run, candidates, space, base, live_workload, req.objective, store, req.study, plan,

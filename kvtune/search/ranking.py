@@ -3,10 +3,17 @@
 `search --json`, the report and the UI all take their verdict from `choose`.
 
 Stage 2 (the live target) decides whenever it completed a run. Each live config
-runs several times; a config beats the target's default only when its mean is
-better beyond the spread of both (bootstrap intervals of the mean). Otherwise the
-verdict is "keep the default", or, when the default itself misses the SLOs, the
-config among those tied at the top that changes the fewest flags. Runs whose own
+runs several times; a config beats the target's default only when a test says so
+at a stated error rate: Welch's t-test (one-sided, unequal variances: the configs'
+run-to-run noise differs) of its objective's mean against the default's, and of
+each SLO's observed value where it meets the SLO in every run and the default
+misses it on average. The tests of one comparison are Bonferroni-combined, the
+comparisons of all the candidates with the default Holm-corrected, and the repeats
+added while undecided are paid for by dividing the error budget over the looks
+(`choose`'s `looks`): the chance of a false "better" stays within ALPHA. Intervals
+are Student-t 95 % intervals of the mean. Otherwise the verdict is "keep the
+default", or, when the default itself misses the SLOs, the config among those tied
+at the top that changes the fewest flags. Runs whose own
 evidence is doubtful (client and server disagree, the load generator fell behind,
 the host was saturated, requests failed) make the verdict inconclusive. Stage 1
 alone (no live stage) is deterministic: configs within SIM_TIE of the best are
@@ -18,6 +25,9 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import stats
+
+from kvengine.entrypoints.flags import flag_name
 
 from ..store import SUMMARY_FIGURES
 from .slo import SLO
@@ -25,13 +35,13 @@ from .slo import SLO
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
 TOP_SIM_CANDIDATES = 5  # configs compared when no stage 2 ran
 SIM_TIE = 0.02  # stage-1 values this close to the best are one result: the model is not that exact
-MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, however tight its interval
+MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, however significant
 LEVEL = 0.95  # the intervals' confidence
-RESAMPLES = 2000
+ALPHA = 0.05  # the chance of a false "better" a verdict allows, over all its comparisons and looks
 
 # what a verdict can be
-BETTER = "better"  # the recommended config beats the default beyond the spread
-KEEP_DEFAULT = "keep_default"  # nothing beats the default beyond the spread
+BETTER = "better"  # the recommended config beats the default by a test at the error budget
+KEEP_DEFAULT = "keep_default"  # no config is shown to beat the default
 SMALLEST_CHANGE = "smallest_change"  # the default misses the SLOs; several configs tie: the least change
 INCONCLUSIVE = "inconclusive"  # the evidence cannot be trusted (reasons say why)
 INFEASIBLE = "infeasible"  # nothing met the SLOs
@@ -40,28 +50,56 @@ FAILED = "failed"  # nothing completed (on the stage that was to decide)
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean over repeats and its bootstrap interval (lo == hi == mean for one value)."""
+    """A mean over repeats and its Student-t interval at LEVEL (lo == hi == mean for one value);
+    `sd` the runs' sample standard deviation (0 for one value)."""
     mean: float
     lo: float
     hi: float
     n: int
+    sd: float = 0.0
 
     def overlaps(self, other: Interval) -> bool:
         return self.lo <= other.hi and other.lo <= self.hi
 
 
-def interval(values: list[float], seed: int = 0) -> Interval | None:
+def interval(values: list[float]) -> Interval | None:
+    """The mean of the finite values and its two-sided Student-t interval at LEVEL: with 3-5 runs a
+    percentile bootstrap covers the mean far less often than it says (about 75 % for a '95 %' one
+    of 3 normal values)."""
     xs = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
     if xs.size == 0:
         return None
     mean = float(xs.mean())
     if xs.size == 1:
         return Interval(mean, mean, mean, 1)
-    rng = np.random.default_rng(seed)
-    means = xs[rng.integers(0, xs.size, size=(RESAMPLES, xs.size))].mean(axis=1)
-    tail = (1 - LEVEL) / 2 * 100
-    lo, hi = np.percentile(means, [tail, 100 - tail])
-    return Interval(mean, float(lo), float(hi), int(xs.size))
+    sd = float(xs.std(ddof=1))
+    half = float(stats.t.ppf((1 + LEVEL) / 2, xs.size - 1)) * sd / math.sqrt(xs.size)
+    return Interval(mean, mean - half, mean + half, int(xs.size), sd)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One test of `a` beating `b` on one figure: a's mean minus b's, its Welch interval at LEVEL,
+    and the one-sided p-value of `a` being better (higher for the objective, lower for an SLO)."""
+    figure: str
+    diff: float
+    lo: float
+    hi: float
+    p: float
+
+
+def welch(a: Interval, b: Interval, figure: str, higher_is_better: bool = True) -> Difference | None:
+    """Welch's t-test of a's mean against b's (unequal variances); None with fewer than 2 runs of either."""
+    if a.n < 2 or b.n < 2:
+        return None
+    va, vb = a.sd ** 2 / a.n, b.sd ** 2 / b.n
+    diff, se = a.mean - b.mean, math.sqrt(va + vb)
+    if se == 0:  # runs identical to the bit (a simulated executor): any difference is certain
+        return Difference(figure, diff, diff, diff, 0.0 if (diff > 0) == higher_is_better and diff else 1.0)
+    df = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
+    t = diff / se if higher_is_better else -diff / se
+    half = float(stats.t.ppf((1 + LEVEL) / 2, df)) * se
+    return Difference(figure, diff, diff - half, diff + half, float(stats.t.sf(t, df)))
 
 
 @dataclass
@@ -150,6 +188,8 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)  # the evidence for the verdict, or against trusting it
     leader: Candidate | None = None  # the best by the objective's mean (before the tie rule)
     tied: list[Candidate] = field(default_factory=list)  # configs indistinguishable from the leader
+    alpha: float | None = None  # the live verdict's error budget per look
+    default_params: dict | None = None  # what the recommendation's flags are changed from
 
     @property
     def measured(self) -> bool:
@@ -230,43 +270,87 @@ def _mean_or_none(iv: Interval | None) -> float | None:
     return None if iv is None else iv.mean
 
 
-def separated(a: Candidate, b: Candidate, slos: list[SLO]) -> str | None:
-    """Why `a` beats `b` beyond the spread of both, or None: its objective's interval lies above
-    b's (and its mean by more than MIN_GAIN: with a few runs a bootstrap interval can be narrower
-    than the noise), or it meets an SLO in every run that b misses in every run."""
+@dataclass(frozen=True)
+class Test:
+    """Whether `a` beats `b`: its tests' smallest p-value, Bonferroni-combined over them, and why."""
+    p: float
+    why: str
+
+
+def compare(a: Candidate, b: Candidate, slos: list[SLO]) -> Test | None:
+    """The test of `a` beating `b`: Welch on the objective's mean (where a's mean gains more than
+    MIN_GAIN: a smaller gain is no reason to change flags), and on each SLO's observed value that `a`
+    meets in every run while b's mean misses it; None without 2 runs of each."""
     va, vb = a.spread.get("value"), b.spread.get("value")
     if va is None or vb is None or va.n < 2 or vb.n < 2:
         return None
-    if va.lo > vb.hi and va.mean > vb.mean * (1 + MIN_GAIN):
-        return f"its mean {va.mean:.3g} [{va.lo:.3g}, {va.hi:.3g}] is above the other's {vb.mean:.3g} [{vb.lo:.3g}, {vb.hi:.3g}]"
+    tests = []
+    d = welch(va, vb, "value")
+    if d is not None and va.mean > vb.mean * (1 + MIN_GAIN):
+        tests.append((d.p, f"its mean {va.mean:.3g} [{va.lo:.3g}, {va.hi:.3g}] against {vb.mean:.3g} "
+                           f"[{vb.lo:.3g}, {vb.hi:.3g}], a difference of {d.diff:+.3g} [{d.lo:+.3g}, {d.hi:+.3g}]"))
     for slo in slos:
         sa, sb = a.spread.get(slo.name), b.spread.get(slo.name)
-        if sa is not None and sb is not None and sa.hi <= slo.threshold_s < sb.lo:
-            if all(m.observed.get(slo.name) is not None and m.observed[slo.name] <= slo.threshold_s
-                   for m in a.runs if m.ok):
-                return (f"it meets {slo.name} <= {slo.threshold_s * 1000:g} ms in every run "
-                        f"({sa.mean * 1000:.0f} ms [{sa.lo * 1000:.0f}, {sa.hi * 1000:.0f}]) and the other "
-                        f"misses it ({sb.mean * 1000:.0f} ms [{sb.lo * 1000:.0f}, {sb.hi * 1000:.0f}])")
-    return None
+        meets = all(m.observed.get(slo.name) is not None and m.observed[slo.name] <= slo.threshold_s
+                    for m in a.runs if m.ok)
+        if sa is None or sb is None or not meets or sb.mean <= slo.threshold_s:
+            continue
+        d = welch(sa, sb, slo.name, higher_is_better=False)
+        if d is not None:
+            ms = lambda v: f"{v * 1000:.0f}"  # noqa: E731
+            tests.append((d.p, f"it meets {slo.name} <= {slo.threshold_s * 1000:g} ms in every run "
+                               f"({ms(sa.mean)} ms [{ms(sa.lo)}, {ms(sa.hi)}]) and the other misses it on average "
+                               f"({ms(sb.mean)} ms [{ms(sb.lo)}, {ms(sb.hi)}])"))
+    if not tests:
+        return None
+    p, why = min(tests)
+    return Test(min(1.0, p * (1 + len(slos))), why)  # Bonferroni over the objective and every SLO
+
+
+def separated(a: Candidate, b: Candidate, slos: list[SLO], alpha: float = ALPHA) -> str | None:
+    """Why `a` beats `b` at level `alpha` (compare's test), or None."""
+    test = compare(a, b, slos)
+    if test is None or test.p >= alpha:
+        return None
+    return f"{test.why} (Welch t, one-sided p = {test.p:.2g})"
+
+
+def holm(tests: dict, alpha: float) -> set:
+    """The keys of `tests` ({key: p}) that Holm's step-down procedure rejects at family-wise `alpha`."""
+    rejected = set()
+    for i, (key, p) in enumerate(sorted(tests.items(), key=lambda kv: kv[1])):
+        if p >= alpha / (len(tests) - i):
+            break
+        rejected.add(key)
+    return rejected
+
+
+def meets_in(c: Candidate, slos: list[SLO]) -> tuple[int, int]:
+    """(runs that met every SLO, runs completed) of a live config."""
+    done = [m for m in c.runs if m.ok]
+    return sum(1 for m in done if m.feasible), len(done)
 
 
 # ---------------------------------------------------------------- the verdict
 
 def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
-           default_params: dict | None) -> tuple[Verdict, list[Candidate], Candidate]:
-    """The verdict, the configs to compare across stages (best first, the default last), and the default."""
+           default_params: dict | None, looks: int = 1) -> tuple[Verdict, list[Candidate], Candidate]:
+    """The verdict, the configs to compare across stages (best first, the default last), and the default.
+    `looks`: how many times stage 2 may look at its runs before stopping (one per repeat count from
+    --repeats to --max-repeats): each look spends ALPHA / looks."""
     sim_done = [t for t in trials if t.ok and t.duplicate_of is None]
     pair = _pairing(sim_done, live, default_params, slos)
     default = pair(default_params) if default_params is not None else Candidate("the default", {}, is_default=True)
     if live:
-        verdict, shown = _live_verdict(live, pair, default, slos, sim_done)
+        verdict, shown = _live_verdict(live, pair, default, slos, sim_done, ALPHA / max(looks, 1))
     else:
         verdict, shown = _sim_verdict(sim_done, pair, default, slos)
+    verdict.default_params = default_params
     candidates = [c for c in shown if not c.is_default]
     return verdict, _unique(candidates) + [default], default
 
 
-def _live_verdict(live, pair, default, slos, sim_done):
+def _live_verdict(live, pair, default, slos, sim_done, alpha: float):
     configs = _unique([pair(m.params) for m in live])
     done = [c for c in configs if c.live is not None and c.live.ok]
     shown = sorted(configs, key=lambda c: (c.live is None or not c.live.ok,
@@ -274,7 +358,10 @@ def _live_verdict(live, pair, default, slos, sim_done):
     if not done:
         reasons = list(dict.fromkeys(f"{c.label}: {m.reason}" for c in configs for m in c.runs if m.reason))
         return Verdict("live", None, None, kind=FAILED, reasons=reasons or ["no live run completed"]), shown
-    verdict = _decide("live", [c for c in shown if c in done], default, slos, lambda a, b: separated(a, b, slos))
+    verdict = _decide("live", [c for c in shown if c in done], default, slos,
+                      lambda a, b: separated(a, b, slos, alpha), _holm_beating(slos, alpha))
+    verdict.alpha = alpha
+    verdict.reasons += _robustness(verdict, default, slos)
     if verdict.kind == INFEASIBLE:
         verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
     doubts = _doubts(verdict, default)
@@ -306,8 +393,38 @@ def _sim_verdict(sim_done, pair, default, slos):
     return _decide("sim", ordered, default, slos, beyond_tie), ordered[:TOP_SIM_CANDIDATES]
 
 
-def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list[SLO], beats) -> Verdict:
-    """The tie rule, on configs best first (by their measurement on `stage`)."""
+def _holm_beating(slos: list[SLO], alpha: float):
+    """Of the configs tied at the top, those shown to beat the default, Holm-corrected over all of
+    them, with each one's reason."""
+    def beating(tied: list[Candidate], default: Candidate) -> dict:
+        tests = {id(c): compare(c, default, slos) for c in tied}
+        ps = {key: t.p for key, t in tests.items() if t is not None}
+        rejected = holm(ps, alpha)
+        n = len(tied)
+        return {id(c): f"{tests[id(c)].why} (Welch t, one-sided p = {tests[id(c)].p:.2g}; Holm over {n} "
+                       f"comparison{'s' if n != 1 else ''} with the default, {alpha:.2g} error budget)"
+                for c in tied if id(c) in rejected}
+    return beating
+
+
+def _robustness(verdict: Verdict, default: Candidate, slos: list[SLO]) -> list[str]:
+    """A config that meets the SLOs in some runs and misses them in others is fragile: say so."""
+    lines = []
+    rec = verdict.recommended
+    for c in [default] + ([rec] if rec is not None and rec is not default and not rec.is_default else []):
+        met, done = meets_in(c, slos)
+        if slos and 0 < met < done:
+            lines.append(f"{c.label} met the SLOs in {met} of {done} runs")
+        elif slos and met == 0 and done and c.is_default:
+            lines.append(f"the default missed the SLOs in {done} of {done} runs")
+    return lines
+
+
+def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list[SLO], beats,
+            beating=None) -> Verdict:
+    """The tie rule, on configs best first (by their measurement on `stage`). `beats(a, b)` says why
+    a beats b or None; `beating(tied, default)`, where given, which tied configs beat the default
+    ({id: why}) when they are tested together (live: Holm over them)."""
     def on(c):
         return c.live if stage == "live" else c.sim
 
@@ -318,7 +435,7 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     tied = [c for c in ordered if on(c).feasible and beats(leader, c) is None]
     default_in = next((c for c in ordered if c.is_default), None)
     if default_in is not None and default_in in tied:
-        reasons = ["no config beats the default beyond the spread of its runs" if stage == "live" else
+        reasons = ["no config beats the default by a Welch t-test at the error budget" if stage == "live" else
                    f"no config beats the default by more than {SIM_TIE:.0%} on the simulator"]
         return Verdict(stage, default_in, None, kind=KEEP_DEFAULT, reasons=reasons, leader=leader, tied=tied)
     def smallest(configs):
@@ -329,15 +446,16 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
         return Verdict(stage, smallest(tied), None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
     # Of the tied, only one shown to beat the default is a change worth making: a smaller change
     # that ties with the leader but not beyond the default's spread is not shown to gain anything.
-    beating = [c for c in tied if beats(c, default_in) is not None]
-    if beating:
-        pick = smallest(beating)
+    why = beating(tied, default_in) if beating else {id(c): beats(c, default_in) for c in tied}
+    shown = [c for c in tied if why.get(id(c)) is not None]
+    if shown:
+        pick = smallest(shown)
         return Verdict(stage, pick, None, kind=BETTER, leader=leader, tied=tied,
-                       reasons=[f"{pick.label} beats the default: {beats(pick, default_in)}"])
+                       reasons=[f"{pick.label} beats the default: {why[id(pick)]}"])
     # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
     pick = smallest(tied)
     return Verdict(stage, pick, None, kind=SMALLEST_CHANGE, leader=leader, tied=tied,
-                   reasons=["the default misses the SLOs on average, but no config beats it beyond the spread; "
+                   reasons=["the default misses the SLOs on average, but no config is shown to beat it by a test; "
                             f"{pick.label} is the smallest change among the {len(tied)} tied at the top"])
 
 
@@ -376,11 +494,26 @@ def _unique(candidates: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def changed_flags(params: dict, default: dict | None) -> str:
+    """The server flags that turn `default` into `params`, as an operator types them."""
+    out = []
+    for key, value in params.items():
+        if default is not None and default.get(key) == value:
+            continue
+        if isinstance(value, bool):
+            out.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
+        else:
+            out.append(f"{flag_name(key)} {value:g}" if isinstance(value, float) else f"{flag_name(key)} {value}")
+    return " ".join(out)
+
+
 def headline(verdict: Verdict) -> str:
-    """The verdict in one sentence (no reasons)."""
+    """The verdict in one sentence (no reasons), naming the flags to set."""
     place, rec = where(verdict), verdict.recommended
     if verdict.kind in (BETTER, SMALLEST_CHANGE):
-        return f"Verdict ({place}): change to {rec.label}."
+        flags = changed_flags(rec.params, verdict.default_params)
+        return (f"Verdict ({place}): set `{flags}`, everything else as the default ({rec.label})." if flags
+                else f"Verdict ({place}): change to {rec.label}.")
     if verdict.kind == KEEP_DEFAULT:
         return f"Verdict ({place}): no significant difference: keep the default."
     if verdict.kind == INCONCLUSIVE:

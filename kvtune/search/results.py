@@ -40,6 +40,7 @@ class StudyInfo:
     tensor_parallel_size: int = 1  # GPUs one replica spans, fixed for the study
     model: str | None = None  # the simulated model's name (`preset` may be its config.json's path)
     gpus: int | None = None  # --gpus: each config served gpus / TP replicas, the traffic split evenly
+    live_looks: int = 1  # how often stage 2 tested its runs (--repeats to --max-repeats): splits the error budget
 
     @property
     def on(self) -> str:
@@ -83,7 +84,7 @@ def load_report_data(db_url: str, name: str) -> ReportData:
         info = study_info(study, runs)
         trials = [_stage1(t, info, runs) for t in study.get_trials(deepcopy=False)]
         live = _stage2(store, name, info, runs, load)
-        verdict, candidates, default = choose(trials, live, info.slos, _default_params(info))
+        verdict, candidates, default = choose(trials, live, info.slos, _default_params(info), info.live_looks)
         data = ReportData(info, study, trials, live, candidates, default, verdict)
         if data.headline is not None:
             data.best_run = _run_view(load, data.headline, "recommended" if verdict.recommended else "closest")
@@ -131,7 +132,8 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         device=attrs.get("device") or (first_run and first_run.device), knobs=knobs,
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
         live_requests=attrs.get("live_requests"), tensor_parallel_size=attrs.get("tensor_parallel_size") or 1,
-        model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model), gpus=attrs.get("gpus"))
+        model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model), gpus=attrs.get("gpus"),
+        live_looks=attrs.get("live_looks") or 1)
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:

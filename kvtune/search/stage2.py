@@ -54,6 +54,11 @@ class LivePlan:
     budget: int | None = None  # most live runs in all (the default's included)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def looks(self) -> int:
+        """How many times the runs are tested before stopping: each splits the error budget."""
+        return max(self.max_repeats - self.repeats + 1, 1)
+
     def fit(self, candidates: list[LiveConfig]) -> list[LiveConfig]:
         """The candidates the budget allows at `repeats` runs each (the default always stays)."""
         if self.budget is None:
@@ -286,7 +291,7 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
         active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
         if repeat < plan.repeats:
             continue
-        verdict, _, _ = choose([], [o.measurement for o in outcomes], list(objective.slos), dflt)
+        verdict, _, _ = choose([], [o.measurement for o in outcomes], list(objective.slos), dflt, plan.looks)
         if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active:  # more runs mend no doubt
             break
         still = {id(c) for c in active if c.params == dflt or any(t.params == c.params for t in verdict.tied)}
