@@ -176,9 +176,11 @@ def _versus_default(data: ReportData, head: Candidate) -> list[Block]:
     rows = []
     live = stage == "live"
     for label, key, show in COMPARED:
-        new, old = _figure(mine, key), _figure(theirs, key)
-        rows.append([label, _with_spread(new, head.spread.get(key) if live else None, show),
-                     _with_spread(old, data.default.spread.get(key) if live else None, show), _change(key, new, old)])
+        ours, its = (head.spread.get(key), data.default.spread.get(key)) if live else (None, None)
+        # one number for one measurement: the change is of the figures shown, the intervals' means where
+        # there are intervals (an SLO's client-side observation), not another summary of the same runs
+        new, old = (iv.mean if iv is not None else _figure(m, key) for iv, m in ((ours, mine), (its, theirs)))
+        rows.append([label, _with_spread(new, ours, show), _with_spread(old, its, show), _change(key, new, old)])
     rows.append(["meets the SLOs", "yes" if mine.feasible else "no", "yes" if theirs.feasible else "no", ""])
     return [title, Paragraph("Default: " + params_text(data.default.params) + "."),
             Table(["", head.label, "default", "change"], rows, numeric=[False, True, True, True])]
