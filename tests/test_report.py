@@ -389,3 +389,22 @@ def test_the_quality_note_counts_fp8s_gain_from_the_models_own_bytes(auto_bytes,
     from kvtune.report.sections import quality_section
     lead = quality_section({"auto", "fp8"}, "fp8", auto_bytes)[1].text
     assert says in lead
+
+
+def test_launch_lines_carry_the_measured_servers_flags_and_label_the_others_untested():
+    """A CPU vLLM whose pool came from VLLM_CPU_KVCACHE_SPACE reported its bytes: that is no flag it was
+    given (pasted on a GPU host it would pin the pool); SGLang and kvengine were not run; a torch-executor
+    engine run's kvengine line says --executor torch."""
+    from kvengine.config import EngineConfig
+    from kvtune.report.launch import launch_commands
+
+    config = EngineConfig(block_size=16, kv_cache_dtype="fp8", kv_cache_memory_bytes=1 << 30)
+    measured = {"launch_env": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "launch_server": "vllm", "launch_args": ""}
+    vllm, sglang, engine = launch_commands(config, "tiny", "cpu", "/models/tiny", measured)
+    assert "--kv-cache-memory-bytes" not in vllm.text and vllm.text.startswith("VLLM_CPU_KVCACHE_SPACE=1 ")
+    assert "--kv-cache-dtype fp8" in vllm.text and "untested" not in vllm.note
+    assert "untested translation" in sglang.note and "untested translation" in engine.note
+    assert "--executor sim" in engine.text
+    *_, engine = launch_commands(config, "tiny", "cpu", None, {"launch_server": "engine", "executor": "torch"})
+    assert "--executor torch" in engine.text and "as it was measured" in engine.note
+    assert "--kv-cache-memory-bytes 1073741824" in engine.text  # asked of that server: kept

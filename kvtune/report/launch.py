@@ -5,12 +5,14 @@ Built by the same targets that start those servers in stage 2, so the flags
 """
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 
 from kvengine.config import EngineConfig
 
 from ..targets import EngineTarget, SglangTarget, TargetStartError, VllmTarget
+from ..targets.rules import CPU_KV_SPACE_ENV
 
 MODEL_VAR = "$MODEL"
 _PLACEHOLDER = "__KVTUNE_MODEL__"
@@ -42,10 +44,14 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
     env, args = measured.get("launch_env") or {}, measured.get("launch_args") or ""
     server_of_args = measured.get("launch_server")
     vllm_args, sglang_args = (args if server_of_args == "vllm" else ""), (args if server_of_args == "sglang" else "")
+    if CPU_KV_SPACE_ENV in env and "--kv-cache-memory-bytes" not in args:
+        # the measured server's pool came from its environment: the byte count it reported is no flag it
+        # was given, and pasted on a GPU host it would pin the pool at that size
+        config = dataclasses.replace(config, kv_cache_memory_bytes=None)
     out = []
-    for server, target, server_env in (
-            ("vLLM", VllmTarget(model=model, vllm_command="vllm", extra_args=vllm_args), env),
-            ("SGLang", SglangTarget(model=model, python="python", extra_args=sglang_args), {})):
+    for server, name, target, server_env in (
+            ("vLLM", "vllm", VllmTarget(model=model, vllm_command="vllm", extra_args=vllm_args), env),
+            ("SGLang", "sglang", SglangTarget(model=model, python="python", extra_args=sglang_args), {})):
         try:
             argv = _strip_local(target.command(config, 0))
         except TargetStartError as err:
@@ -53,12 +59,22 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
         else:
             prefix = [f"{k}={shlex.quote(str(v))}" for k, v in sorted(server_env.items())]
             note = (f"with {', '.join(prefix)}: the environment the measured server ran with" if prefix else "")
-            out.append(LaunchCommand(server, _shell(argv, prefix), note))
-    engine = EngineTarget(executor="sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
+            out.append(LaunchCommand(server, _shell(argv, prefix), note or _untested(server_of_args, name)))
+    executor = measured.get("executor") if server_of_args == "engine" else None
+    engine = EngineTarget(executor=executor or "sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
     argv = ["kvengine", *_strip_local(engine.serve_args(config, 0))]
-    out.append(LaunchCommand("kvengine", _shell(argv),
-                             "the bundled engine serving the simulated device, as kvtune's stage 2 runs it"))
+    out.append(LaunchCommand("kvengine", _shell(argv), (
+        f"the bundled engine with the {executor} executor, as it was measured" if executor else
+        "the bundled engine serving the simulated device (--executor sim): an untested translation, "
+        "kvtune measured another server")))
     return out
+
+
+def _untested(measured_server: str | None, server: str) -> str:
+    """The note of a command for a server other than the one measured."""
+    if measured_server is None or measured_server == server:
+        return ""
+    return f"an untested translation of the measured config: kvtune ran {measured_server}, not this server"
 
 
 def model_export(preset: str | None, served_model: str | None) -> str | None:
