@@ -124,16 +124,43 @@ def busy() -> Workload:
     return Workload([TraceRequest(i / 20.0, 1500 + (i * 37) % 500, 60) for i in range(60)])
 
 
-def stage2(tmp_path, plan, params):
+def stage2(tmp_path, plan, params, run=None):
     model, device = model_preset("llama-3-8b"), device_preset("l4-24gb")
     space = load_space(None, ["block_size=16,32", "max_num_seqs=8,256", "kv_cache_dtype=auto,fp8"])
     base = EngineConfig(max_model_len=4096)
     dflt = default_params(space, base.resolve(model, device))
     cands = [LiveConfig(f"trial {i}", i, p) for i, p in enumerate(params)] + [LiveConfig("default", -1, dflt)]
     store = Store(f"sqlite:///{tmp_path}/s.db")
-    outcomes = run_stage2(SimTarget(model, device).run, cands, space, base, busy(),
+    outcomes = run_stage2(run or SimTarget(model, device).run, cands, space, base, busy(),
                           Objective("goodput", (SLO,)), store, "s", plan)
     return outcomes, store, dflt
+
+
+def test_an_interrupted_stage2_resumes_with_its_counts_budget_and_rows_as_if_it_had_not_stopped(tmp_path):
+    """Interrupted during the default's second run, then resumed: the completed runs count as those
+    configs' first repeats and against --live-budget, the interrupted run stays as a failed row, and
+    each config ends with the runs an uninterrupted stage 2 gives it."""
+    fp8 = {"block_size": 32, "max_num_seqs": 256, "kv_cache_dtype": "fp8"}
+    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb")).run
+    calls = []
+
+    def interrupted(config, workload):
+        calls.append(config)
+        if len(calls) == 4:  # the default's second run (trial 0 #1, default #1, trial 0 #2, then this)
+            raise KeyboardInterrupt
+        return sim(config, workload)
+
+    plan = LivePlan(repeats=3, max_repeats=3, budget=6)
+    with pytest.raises(KeyboardInterrupt):
+        stage2(tmp_path, plan, [fp8], interrupted)
+    outcomes, store, dflt = stage2(tmp_path, LivePlan(repeats=3, max_repeats=3, budget=6), [fp8])
+    assert [(o.candidate.label, o.repeat) for o in outcomes] == [
+        ("trial 0", 1), ("default", 1), ("trial 0", 2), ("default", 2), ("trial 0", 3), ("default", 3)]
+    rows = sorted(store.list_runs(study="s"), key=lambda r: r.id)
+    failed = [r for r in rows if r.status == "failed"]
+    assert len(rows) == 7 and len(failed) == 1 and failed[0].label == "live default #2"
+    verdict, _, _ = choose([], [o.measurement for o in outcomes], [SLO], dflt)
+    assert "3 runs of each config" in describe(verdict)
 
 
 def test_stage2_interleaves_its_repeats_stores_each_runs_score_and_stops_once_separated(tmp_path):

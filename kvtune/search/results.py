@@ -164,7 +164,7 @@ def _stage2(store: Store, name: str, info: StudyInfo, runs: dict, load) -> list[
         if not (row.label or "").startswith(LIVE_LABEL + " ") or row.trial_number not in params:
             continue
         number = row.trial_number
-        repeat = sum(m.number == number for m in out) + 1
+        repeat = sum(m.number == number and m.ok for m in out) + 1  # an interrupted run is no repeat
         result = load(row.id) if row.status == "ok" else None
         if result is None:
             out.append(Measurement("live", number, params[number], "FAIL", run_id=row.id,

@@ -12,6 +12,7 @@ from kvengine.config import EngineConfig
 
 from ..diagnose.trial import Simulator, diagnosed
 from ..results import RunResult
+from ..stopping import failure_reason
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .objective import Objective
@@ -270,14 +271,19 @@ def representable(space: SearchSpace, params: dict) -> bool:
 def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
                on_result=None, simulator: Simulator | None = None) -> list[LiveOutcome]:
-    """Each run's diagnoses are stored with it, their fixes first tried on `simulator`."""
+    """Each run's diagnoses are stored with it, their fixes first tried on `simulator`. A resumed
+    search continues where the stored runs of `study` stop: a config's completed runs count as its
+    first repeats and against the budget, as if the search had not been interrupted."""
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
     dflt = next((c.params for c in candidates if c.label == "default"), None)
-    outcomes: list[LiveOutcome] = []
-    active, spent = list(candidates), 0
+    outcomes = _resumed(candidates, stored_live_runs(store, study))
+    done = {(id(o.candidate), o.repeat) for o in outcomes}
+    active, spent = list(candidates), len(outcomes)
     for repeat in range(1, plan.max_repeats + 1):
         for cand in active:
+            if (id(cand), repeat) in done:
+                continue
             if plan.budget is not None and spent >= plan.budget:
                 return outcomes
             outcome = _run_once(run, cand, repeat, space.config(cand.params, base), workload, objective, store, study,
@@ -299,24 +305,51 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
     return outcomes
 
 
+def stored_live_runs(store: Store, study: str) -> list[Measurement]:
+    """The completed live runs `study` holds (a resumed search's), oldest first."""
+    params = {row.number: dict(row.params) for row in store.list_trials(study, stage="live")}
+    out = []
+    for row in sorted(store.list_runs(limit=1_000_000, study=study, status="ok"), key=lambda r: r.id):
+        if (row.label or "").startswith(LIVE_LABEL + " ") and row.trial_number in params:
+            out.append(live_measurement(row.trial_number, params[row.trial_number], row.id, store.load_run(row.id)))
+    return out
+
+
+def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[LiveOutcome]:
+    """Stored completed runs as the outcomes of the candidates they ran, numbered 1, 2, ... per config."""
+    outcomes = []
+    for m in stored:
+        cand = next((c for c in candidates if c.params == m.params), None)
+        if cand is None:
+            continue
+        repeat = sum(o.candidate is cand for o in outcomes) + 1
+        m.repeat = repeat
+        outcomes.append(LiveOutcome(cand, repeat, m.values, run_id=m.run_id, measurement=m))
+    return outcomes
+
+
 def _run_once(run, cand: LiveConfig, repeat: int, config: EngineConfig, workload, objective: Objective,
               store: Store, study: str, simulator: Simulator | None) -> LiveOutcome:
     outcome = LiveOutcome(cand, repeat)
     label = f"{LIVE_LABEL} {cand.label} #{repeat}"
+    # a row from the start: an interrupted run stays in the study as a failed one, with why
+    outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=label,
+                                     study=study, trial=cand.number)
     try:
         outcome.values, outcome.score, result = objective.evaluate(run, config, workload)
     except (TargetStartError, TargetRunError) as err:
         outcome.error = str(err)
-        outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=label,
-                                         study=study, trial=cand.number)
         store.mark_run(outcome.run_id, "failed", outcome.error)
         outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
                                           reason=outcome.error, repeat=repeat)
         return outcome
+    except BaseException as err:  # a signal, Ctrl-C: the row says so, and a resume runs it again
+        store.mark_run(outcome.run_id, "failed", failure_reason(err))
+        raise
     result.summary["score"] = outcome.score.as_dict() | {"values": outcome.values}
     result.summary["doubts"] = run_doubts(result, outcome.score)
     result.summary["repeat"] = repeat
-    outcome.run_id = store.save_run(result, study=study, trial=cand.number, label=label)
+    store.save_run(result, study=study, trial=cand.number, label=label, run_id=outcome.run_id)
     thresholds = diagnosis_thresholds(list(objective.slos))
     store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, simulator, objective.slos))
     outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
