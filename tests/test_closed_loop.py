@@ -96,19 +96,19 @@ def test_live_and_simulated_closed_loops_keep_the_same_number_in_flight(tmp_path
     """`kvtune run --max-concurrency` through Locust against kvengine (sim executor, real time) and on
     the simulator: the same n in flight, the next request sent as one finishes, in trace order."""
     trace = tmp_path / "w.jsonl"
-    p = kvtune("trace", "synth", "-o", str(trace), "--num-requests", "14", "--rate", "inf",
-               "--input-len", "256", "--output-len", "8-40", "--seed", "2")
+    p = kvtune("trace", "synth", "-o", str(trace), "--num-requests", "10", "--rate", "inf",
+               "--input-len", "256", "--output-len", "4-16", "--seed", "2")
     assert p.returncode == 0, p.stderr
     assert {r.arrival_s for r in read_workload(str(trace)).requests} == {0.0}
     n, runs = 4, {}
     for target in ("sim", "engine"):
         out = tmp_path / f"{target}.json"
-        p = kvtune("run", "--target", target, "--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb",
+        p = kvtune("run", "--target", target, "--executor", "sim", "--preset", "llama-3-8b", "--device", "a10-24gb",
                    "--workload", str(trace), "--max-concurrency", str(n), "--db", f"sqlite:///{tmp_path}/r.db",
                    "--out", str(out), "--json")
         assert p.returncode == 0, p.stderr + p.stdout
         summary = json.loads(p.stdout.strip().splitlines()[-1])
-        assert summary["completed"] == 14 and summary["ttft_mean"] > 0 and summary["tpot_mean"] > 0
+        assert summary["completed"] == 10 and summary["ttft_mean"] > 0 and summary["tpot_mean"] > 0
         runs[target] = json.loads(out.read_text())["requests"]
     for target, records in runs.items():
         sent = {r["request_id"]: r["arrival_s"] for r in records}
