@@ -390,8 +390,9 @@ def test_intervals_are_student_t_and_cover_the_mean_as_often_as_they_say():
     """The issue's point: a percentile bootstrap of 3 values covers the mean about 75 % of the time."""
     import numpy as np
 
-    iv = interval([1.0, 2.0, 3.0])  # mean 2, sd 1: t(0.975, 2) = 4.303 over sqrt(3)
-    assert (iv.lo, iv.hi, iv.sd) == pytest.approx((2 - 2.4843, 2 + 2.4843, 1.0), abs=1e-3)
+    iv = interval([11.0, 12.0, 13.0])  # mean 12, sd 1: t(0.975, 2) = 4.303 over sqrt(3)
+    assert (iv.lo, iv.hi, iv.sd) == pytest.approx((12 - 2.4843, 12 + 2.4843, 1.0), abs=1e-3)
+    assert interval([1.0, 2.0, 3.0]).lo == 0.0  # a goodput or a latency is never below 0
     rng = np.random.default_rng(7)
     draws = rng.normal(10, 2, (4000, 3))
     covered = sum(1 for xs in draws if (iv := interval(list(xs))).lo <= 10 <= iv.hi)

@@ -74,7 +74,9 @@ def interval(values: list[float]) -> Interval | None:
         return Interval(mean, mean, mean, 1)
     sd = float(xs.std(ddof=1))
     half = float(stats.t.ppf((1 + LEVEL) / 2, xs.size - 1)) * sd / math.sqrt(xs.size)
-    return Interval(mean, mean - half, mean + half, int(xs.size), sd)
+    # every figure ranked (goodput, latencies) is >= 0: an interval reaching below 0 says only that
+    lo = max(mean - half, 0.0) if xs.min() >= 0 else mean - half
+    return Interval(mean, lo, mean + half, int(xs.size), sd)
 
 
 @dataclass(frozen=True)
@@ -402,7 +404,8 @@ def _holm_beating(slos: list[SLO], alpha: float):
         rejected = holm(ps, alpha)
         n = len(tied)
         return {id(c): f"{tests[id(c)].why} (Welch t, one-sided p = {tests[id(c)].p:.2g}; Holm over {n} "
-                       f"comparison{'s' if n != 1 else ''} with the default, {alpha:.2g} error budget)"
+                       f"comparison{'s' if n != 1 else ''} with the default at α = {alpha:.2g}, "
+                       f"{ALPHA:.0%} split over stage 2's looks)"
                 for c in tied if id(c) in rejected}
     return beating
 
