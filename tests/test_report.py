@@ -408,3 +408,23 @@ def test_launch_lines_carry_the_measured_servers_flags_and_label_the_others_unte
     *_, engine = launch_commands(config, "tiny", "cpu", None, {"launch_server": "engine", "executor": "torch"})
     assert "--executor torch" in engine.text and "as it was measured" in engine.note
     assert "--kv-cache-memory-bytes 1073741824" in engine.text  # asked of that server: kept
+
+
+def test_parameter_importance_is_not_drawn_from_differences_within_the_simulators_tie(tmp_path):
+    import optuna
+
+    from kvtune.report.importance import param_importance
+
+    study = optuna.create_study(direction="maximize")
+    for i in range(12):  # 10.000 to 10.011: within 2 % of each other
+        study.enqueue_trial({"block_size": [16, 32][i % 2], "max_num_seqs": 64 + i})
+        study.optimize(lambda t: 10.0 + 0.001 * t.suggest_int("max_num_seqs", 64, 128)
+                       - 0.064 + 0 * t.suggest_categorical("block_size", [16, 32]), n_trials=1)
+    flat = param_importance(study, "goodput")
+    assert flat.values is None and "within 2%" in flat.note
+    steep = optuna.create_study(direction="maximize")
+    for i in range(12):
+        steep.enqueue_trial({"block_size": [16, 32][i % 2], "max_num_seqs": 64 + i})
+        steep.optimize(lambda t: t.suggest_categorical("block_size", [16, 32]) / 16.0
+                       + 0 * t.suggest_int("max_num_seqs", 64, 128), n_trials=1)
+    assert param_importance(steep, "goodput").values is not None

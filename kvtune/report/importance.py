@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
+from ..search.ranking import SIM_TIE
+
 MIN_TRIALS = 10  # below this the top-quantile split of PED-ANOVA is a handful of points: noise
 
 
@@ -30,6 +32,12 @@ def param_importance(study: optuna.Study, objective_label: str) -> Importance:
     if len({t.values[0] for t in done}) < 2:
         return Importance(None, f"Every completed trial scored the same {objective_label}: "
                                 "no knob made a difference on this workload.")
+    low, high = min(t.values[0] for t in done), max(t.values[0] for t in done)
+    if high - low <= SIM_TIE * max(abs(low), abs(high)):
+        # differences the simulator cannot resolve: ranking them by knob would rank its rounding
+        return Importance(None, f"Every completed trial scored within {SIM_TIE:.0%} of the others by "
+                                f"{objective_label}, the simulator's own tie: no knob made a difference it can "
+                                "resolve on this workload.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PED-ANOVA's reminder that it ranks low targets: we negate
         try:
