@@ -84,3 +84,13 @@ def test_drawing_never_imports_pyplot():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_history_within_the_simulators_tie_says_so_and_magnifies_nothing():
+    level = [trial(i, 10.0 + 0.0003 * i, 0.3) for i in range(5)]
+    ax = plots.history(level, "goodput (req/s)").axes[0]
+    assert "within 2%, the simulator's tie" in ax.get_title()
+    low, high = ax.get_ylim()
+    assert low <= 0 and high >= 10.0  # the axis starts at 0: no offset axis blowing up 0.0003 req/s
+    spread = plots.history(TRIALS, "goodput (req/s)").axes[0]
+    assert "tie" not in spread.get_title()

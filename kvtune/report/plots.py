@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..search.results import RunView
-from ..search.ranking import Measurement
+from ..search.ranking import SIM_TIE, Measurement
 from .words import metric_label
 
 if TYPE_CHECKING:
@@ -67,7 +67,14 @@ def history(trials: list[Measurement], value_label: str) -> Figure | None:
     steps = _best_so_far(trials)
     if steps:
         ax.step(*zip(*steps), where="post", c=BEST, lw=1.5, label="best so far (meets the SLOs)")
-    ax.set(xlabel="trial", ylabel=value_label, title="Optimisation history (stage 1, simulator)")
+    title = "Optimisation history (stage 1, simulator)"
+    low, high = min(t.value for t in done), max(t.value for t in done)
+    if high - low <= SIM_TIE * max(abs(low), abs(high)):
+        # no offset axis magnifying differences the simulator cannot resolve: the axis starts at 0
+        ax.set_ylim(min(0.0, low), high * 1.1 if high > 0 else 1.0)
+        title += f": every trial within {SIM_TIE:.0%}, the simulator's tie"
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    ax.set(xlabel="trial", ylabel=value_label, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     return fig
