@@ -436,3 +436,14 @@ def test_a_config_meeting_the_slos_in_some_runs_is_named_fragile():
                                            run(DEFAULT, -1, 3, 4.05, ttft=0.4)]
     verdict, _, _ = choose([], live, [SLO], DEFAULT)
     assert "the default met the SLOs in 2 of 3 runs" in verdict.reasons
+
+
+def test_a_configs_figure_is_one_number_wherever_it_is_shown():
+    """The report's tables and the UI read Candidate.figure: a live SLO figure is the mean of its runs'
+    client-side observations (the interval's), not another summary of the same runs."""
+    live = runs(A, 3, [4.0, 4.4, 3.9], ttft=0.3) + runs(DEFAULT, -1, [4.1, 4.2, 4.0], ttft=0.45)
+    _, candidates, default = choose([], live, [SLO], DEFAULT)
+    a = next(c for c in candidates if c.params == A)
+    assert a.figure("ttft_p95", "live") == pytest.approx(0.3) == a.spread["ttft_p95"].mean
+    assert a.figure("goodput_rps", "live") == pytest.approx(4.1)
+    assert a.figure("ttft_p95", "sim") is None  # never simulated here

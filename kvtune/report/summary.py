@@ -177,19 +177,12 @@ def _versus_default(data: ReportData, head: Candidate) -> list[Block]:
     live = stage == "live"
     for label, key, show in COMPARED:
         ours, its = (head.spread.get(key), data.default.spread.get(key)) if live else (None, None)
-        # one number for one measurement: the change is of the figures shown, the intervals' means where
-        # there are intervals (an SLO's client-side observation), not another summary of the same runs
-        new, old = (iv.mean if iv is not None else _figure(m, key) for iv, m in ((ours, mine), (its, theirs)))
+        # one number for one measurement: the figures shown, and their change, are Candidate.figure's
+        new, old = head.figure(key, stage), data.default.figure(key, stage)
         rows.append([label, _with_spread(new, ours, show), _with_spread(old, its, show), _change(key, new, old)])
     rows.append(["meets the SLOs", "yes" if mine.feasible else "no", "yes" if theirs.feasible else "no", ""])
     return [title, Paragraph("Default: " + params_text(data.default.params) + "."),
             Table(["", head.label, "default", "change"], rows, numeric=[False, True, True, True])]
-
-
-def _figure(m: Measurement, key: str):
-    if key in ("goodput_rps", "throughput_rps"):
-        return getattr(m, key)
-    return m.summary.get(key)
 
 
 def _change(key: str, new, old) -> str:

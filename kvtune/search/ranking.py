@@ -165,6 +165,17 @@ class Candidate:
     def changes_from(self, default: dict) -> int:
         return sum(self.params.get(k) != v for k, v in default.items())
 
+    def figure(self, key: str, stage: str) -> float | None:
+        """One figure of this config on `stage` (sim or live), the one every table shows: the mean of
+        its live runs' interval where stage 2 measured it (an SLO's figure is its client-side
+        observation), else its measurement's own."""
+        m = self.live if stage == "live" else self.sim
+        if m is None or not m.ok:
+            return None
+        if stage == "live" and key in self.spread:
+            return self.spread[key].mean
+        return getattr(m, key) if key in ("goodput_rps", "throughput_rps") else m.summary.get(key)
+
 
 @dataclass
 class Miss:
