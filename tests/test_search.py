@@ -87,6 +87,26 @@ def test_a_closed_loop_search_keeps_its_concurrency_and_refuses_another_on_resum
     assert p.returncode == 2 and "--max-concurrency" in p.stderr
 
 
+def test_a_baseline_is_what_every_config_changes_and_what_the_verdict_compares_with(tmp_path):
+    """--baseline-args: the operator's deployment is trial 0 (the default's place), the verdict names it
+    "the baseline", a resume with another baseline is refused, and a flag that is no knob is refused."""
+    trace = tmp_path / "t.jsonl"
+    write_workload(busy_workload(40, 2.0), str(trace))
+    db = f"sqlite:///{tmp_path}/s.db"
+    args = ["search", "--workload", str(trace), "--slo", "ttft_p95=3s", "--device", "l4-24gb", "--max-model-len",
+            "4096", "--target", "none", "--db", db, "--study", "base", "--no-report", "--trials", "4", "--json"]
+    p = kvtune(*args, "--baseline-args", "--block-size 32 --max-num-seqs 64")
+    assert p.returncode == 0, p.stderr
+    study = optuna.load_study(study_name="base", storage=db)
+    assert study.trials[0].params["block_size"] == 32 and study.trials[0].params["max_num_seqs"] == 64
+    assert study.user_attrs["baseline_args"] == "--block-size 32 --max-num-seqs 64"
+    assert "the baseline" in p.stdout and "\n  baseline " in p.stdout  # the verdict and the table name it
+    p = kvtune(*args, "--baseline-args", "--block-size 16")
+    assert p.returncode == 2 and "baseline_args" in p.stderr
+    p = kvtune(*args[:-6], "--study", "other", "--baseline-args=--enforce-eager")  # one flag: the = form
+    assert p.returncode == 2 and "--baseline-args: --enforce-eager is not a KV-cache or scheduler flag" in p.stderr
+
+
 def test_nothing_meets_the_slos_is_said_not_crashed(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_workload(busy_workload(60, 20.0), str(trace))

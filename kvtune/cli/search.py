@@ -7,6 +7,7 @@ import sys
 import time
 
 from kvengine.config import QUANTIZATION_FLAGS, ConfigError, device_preset, model_preset
+from kvengine.entrypoints.flags import given_flags
 
 from .commands import COMMANDS
 from .args import add_db_argument
@@ -37,6 +38,11 @@ def add_search_command(sub) -> None:
     p.add_argument("--workload", required=True, metavar="FILE", help="the trace of your traffic")
     p.add_argument("--format", choices=FORMATS, help="trace format (default: detected)")
     add_max_concurrency(p)
+    p.add_argument("--baseline-args", default="", metavar="ARGS",
+                   help="the KV-cache and scheduler flags of your current deployment, as one shell string (e.g. "
+                        "\"--block-size 32 --max-num-seqs 128\"): every config is it with the searched knobs "
+                        "changed, and the verdict compares with it instead of the server's defaults; flags every "
+                        "server should get, and its environment, go in --server-args and --server-env")
     p.add_argument("--slo", action="append", default=[], metavar="METRIC_pPCT=VALUE",
                    help="e.g. ttft_p95=500ms, tpot_p95=50ms, e2e_p99=10s (repeatable)")
     p.add_argument("--objective", choices=OBJECTIVES, default="goodput",
@@ -116,6 +122,7 @@ def _search(args, live_targets: list) -> int:
     try:
         slos = tuple(parse_slo(s) for s in args.slo)
         objective = Objective(args.objective, slos, latency=args.latency)
+        baseline = given_flags(args.baseline_args, "--baseline-args")
         if args.max_concurrency and args.objective == "capacity":
             raise ValueError("--objective capacity scales the arrival rate, and with --max-concurrency the "
                              "clients' slots set it: choose goodput or throughput for a closed loop")
@@ -161,7 +168,8 @@ def _search(args, live_targets: list) -> int:
         heartbeat_s=args.heartbeat,
         profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
         top_k=args.top_k, live_head=args.live_head,
-        plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget))
+        plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget),
+        baseline=baseline, baseline_args=args.baseline_args.strip())
     try:
         outcome = run_search(request, say=print, stage1_progress=_progress, on_live=_print_live)
     except SearchError as err:
@@ -265,7 +273,7 @@ def _final_table(data, objective: Objective) -> str:
             live = "failed" if c.runs else "-"
         m = c.measured
         feas = "-" if m is None or not m.ok else ("yes" if m.feasible else "no")
-        label = "default" if c.is_default else c.label.replace("trial ", "")
+        label = c.label.replace("the ", "") if c.is_default else c.label.replace("trial ", "")
         lines.append(f"{label:>10}  {p.get('block_size', '-'):>5} {'-' if util is None else f'{util:.2f}':>5} "
                      f"{p.get('max_num_seqs', '-'):>5} {p.get('kv_cache_dtype', '-'):>9}"
                      + (f" {p.get('tensor_parallel_size', '-'):>3}" if tp else "")

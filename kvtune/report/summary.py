@@ -169,10 +169,12 @@ def _versus_default(data: ReportData, head: Candidate) -> list[Block]:
     mine, theirs, stage = _same_stage(data, head)
     if mine is None:
         return []
-    title = Heading(f"{head.label} vs the target's default config (measured on {mine.measured_on or stage})", 3)
+    ref = data.info.reference  # the target's default, or the operator's --baseline-args
+    name = "your baseline (--baseline-args)" if data.info.baseline_args else "the target's default config"
+    title = Heading(f"{head.label} vs {name} (measured on {mine.measured_on or stage})", 3)
     if theirs is None:
-        return [title, Paragraph("The default config was not measured in this study, so there is nothing to "
-                                 "compare against.")]
+        return [title, Paragraph(f"{ref[0].upper()}{ref[1:]} was not measured in this study, so there is nothing "
+                                 "to compare against.")]
     rows = []
     live = stage == "live"
     for label, key, show in COMPARED:
@@ -181,8 +183,9 @@ def _versus_default(data: ReportData, head: Candidate) -> list[Block]:
         new, old = head.figure(key, stage), data.default.figure(key, stage)
         rows.append([label, _with_spread(new, ours, show), _with_spread(old, its, show), _change(key, new, old)])
     rows.append(["meets the SLOs", "yes" if mine.feasible else "no", "yes" if theirs.feasible else "no", ""])
-    return [title, Paragraph("Default: " + params_text(data.default.params) + "."),
-            Table(["", head.label, "default", "change"], rows, numeric=[False, True, True, True])]
+    given = f" (`{data.info.baseline_args}`)" if data.info.baseline_args else ""
+    return [title, Paragraph(f"{ref[4:].capitalize()}{given}: " + params_text(data.default.params) + "."),
+            Table(["", head.label, ref[4:], "change"], rows, numeric=[False, True, True, True])]
 
 
 def _change(key: str, new, old) -> str:

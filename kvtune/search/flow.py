@@ -70,6 +70,10 @@ class SearchRequest:
     top_k: int = 3
     live_head: int | None = None
     plan: LivePlan = field(default_factory=lambda: LivePlan(3, 5, None))
+    # --baseline-args: the operator's deployment, {knob: value} (as given_flags reads it) and its text;
+    # every config is it with the searched knobs changed, and the verdict is against it
+    baseline: dict = field(default_factory=dict)
+    baseline_args: str = ""
 
 
 @dataclass
@@ -88,6 +92,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     model, device = req.sim.model, req.sim.device
     base = EngineConfig(max_model_len=req.max_model_len, tensor_parallel_size=req.tensor_parallel_size,
                         quantization=req.quantization)
+    base = dataclasses.replace(base, **req.baseline)
     space, sim_base, default = req.space, base, base.resolve(model, device)
     live = req.live
     if req.gpus:
@@ -108,7 +113,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         # the live target's own rules: what it takes, what it runs when given no flags, its pool
         space, notes = space.for_target(live.rules, req.explicit_knobs)
         sim_base = live.rules.sim_config(base)
-        default = live.rules.default_config(sim_base).resolve(model, device)
+        default = _live_default(live, sim_base, req.baseline, model, device)
         if sim_base is not base:
             notes.append(f"stage 1 sizes the KV pool as the live server does: {live.rules.pool_text}")
         for note in notes:
@@ -118,7 +123,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     if live is not None:
         sim = _check_live(req, live, space.config(default_params(space, default), base), sim_base, say)
         model = sim.model
-        default = live.rules.default_config(sim_base).resolve(model, device)
+        default = _live_default(live, sim_base, req.baseline, model, device)
     slos = req.objective.slos
     attrs = {"workload": req.workload_path, "preset": req.preset, "device": req.device, "profile": req.profile,
              "slos": [str(s) for s in slos],
@@ -126,7 +131,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
              "space": {k.name: knob_text(k) for k in space.knobs},
              "latency": req.objective.latency, "live_requests": req.live_head, "sim_model_dtype": model.dtype,
              "tensor_parallel_size": req.tensor_parallel_size, "model": model.name, "gpus": req.gpus,
-             "max_concurrency": req.workload.max_concurrency}
+             "max_concurrency": req.workload.max_concurrency, "baseline_args": req.baseline_args or None}
     study = open_study(open_storage(req.db_url, req.heartbeat_s), req.study, req.objective, req.sampler, req.seed,
                        attrs)
     stage1 = Stage1(study, space, sim_base, req.objective, sim.run, req.workload, store, req.trials, gpus=req.gpus)
@@ -177,6 +182,12 @@ def _check_live(req: SearchRequest, live, config: EngineConfig, sim_base: Engine
         f"kv_cache_dtype auto ({pool.num_gpu_blocks:,} blocks of {pool.block_size} tokens in "
         f"{pool.pool_bytes:,} bytes), not in the preset's {req.sim.model.dtype}: stage 1 simulates it in {dtype}")
     return req.sim.with_model(dataclasses.replace(req.sim.model, dtype=dtype))
+
+
+def _live_default(live, sim_base: EngineConfig, baseline: dict, model, device) -> EngineConfig:
+    """What the live server runs as the comparison's baseline: its own defaults where the fixed flags
+    leave a knob open, the operator's --baseline-args over them."""
+    return dataclasses.replace(live.rules.default_config(sim_base), **baseline).resolve(model, device)
 
 
 def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study) -> None:

@@ -203,6 +203,7 @@ class Verdict:
     tied: list[Candidate] = field(default_factory=list)  # configs indistinguishable from the leader
     alpha: float | None = None  # the live verdict's error budget per look
     default_params: dict | None = None  # what the recommendation's flags are changed from
+    reference: str = "the default"  # what that config is called: the default, or the operator's baseline
 
     @property
     def measured(self) -> bool:
@@ -347,18 +348,20 @@ def meets_in(c: Candidate, slos: list[SLO]) -> tuple[int, int]:
 # ---------------------------------------------------------------- the verdict
 
 def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
-           default_params: dict | None, looks: int = 1) -> tuple[Verdict, list[Candidate], Candidate]:
+           default_params: dict | None, looks: int = 1,
+           default_label: str = "the default") -> tuple[Verdict, list[Candidate], Candidate]:
     """The verdict, the configs to compare across stages (best first, the default last), and the default.
     `looks`: how many times stage 2 may look at its runs before stopping (one per repeat count from
-    --repeats to --max-repeats): each look spends ALPHA / looks."""
+    --repeats to --max-repeats): each look spends ALPHA / looks. `default_label`: what the reference
+    config is called ("the baseline" for an operator's --baseline-args)."""
     sim_done = [t for t in trials if t.ok and t.duplicate_of is None]
-    pair = _pairing(sim_done, live, default_params, slos)
-    default = pair(default_params) if default_params is not None else Candidate("the default", {}, is_default=True)
+    pair = _pairing(sim_done, live, default_params, slos, default_label)
+    default = pair(default_params) if default_params is not None else Candidate(default_label, {}, is_default=True)
     if live:
         verdict, shown = _live_verdict(live, pair, default, slos, sim_done, ALPHA / max(looks, 1))
     else:
         verdict, shown = _sim_verdict(sim_done, pair, default, slos)
-    verdict.default_params = default_params
+    verdict.default_params, verdict.reference = default_params, default_label
     candidates = [c for c in shown if not c.is_default]
     return verdict, _unique(candidates) + [default], default
 
@@ -415,7 +418,7 @@ def _holm_beating(slos: list[SLO], alpha: float):
         rejected = holm(ps, alpha)
         n = len(tied)
         return {id(c): f"{tests[id(c)].why} (Welch t, one-sided p = {tests[id(c)].p:.2g}; Holm over {n} "
-                       f"comparison{'s' if n != 1 else ''} with the default at α = {alpha:.2g}, "
+                       f"comparison{'s' if n != 1 else ''} with {default.label} at α = {alpha:.2g}, "
                        f"{ALPHA:.0%} split over stage 2's looks)"
                 for c in tied if id(c) in rejected}
     return beating
@@ -430,7 +433,7 @@ def _robustness(verdict: Verdict, default: Candidate, slos: list[SLO]) -> list[s
         if slos and 0 < met < done:
             lines.append(f"{c.label} met the SLOs in {met} of {done} runs")
         elif slos and met == 0 and done and c.is_default:
-            lines.append(f"the default missed the SLOs in {done} of {done} runs")
+            lines.append(f"{c.label} missed the SLOs in {done} of {done} runs")
     return lines
 
 
@@ -449,14 +452,14 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     tied = [c for c in ordered if on(c).feasible and beats(leader, c) is None]
     default_in = next((c for c in ordered if c.is_default), None)
     if default_in is not None and default_in in tied:
-        reasons = ["no config beats the default by a Welch t-test at the error budget" if stage == "live" else
-                   f"no config beats the default by more than {SIM_TIE:.0%} on the simulator"]
+        reasons = [f"no config beats {default.label} by a Welch t-test at the error budget" if stage == "live" else
+                   f"no config beats {default.label} by more than {SIM_TIE:.0%} on the simulator"]
         return Verdict(stage, default_in, None, kind=KEEP_DEFAULT, reasons=reasons, leader=leader, tied=tied)
     def smallest(configs):
         return min(configs, key=lambda c: (c.changes_from(default.params), -(on(c).value or 0.0)))
 
     if default_in is None or not on(default_in).ok:
-        why = "the default did not complete a run" if stage == "live" else "the default was not measured"
+        why = f"{default.label} did not complete a run" if stage == "live" else f"{default.label} was not measured"
         return Verdict(stage, smallest(tied), None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
     # Of the tied, only one shown to beat the default is a change worth making: a smaller change
     # that ties with the leader but not beyond the default's spread is not shown to gain anything.
@@ -465,11 +468,11 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     if shown:
         pick = smallest(shown)
         return Verdict(stage, pick, None, kind=BETTER, leader=leader, tied=tied,
-                       reasons=[f"{pick.label} beats the default: {why[id(pick)]}"])
+                       reasons=[f"{pick.label} beats {default.label}: {why[id(pick)]}"])
     # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
     pick = smallest(tied)
     return Verdict(stage, pick, None, kind=SMALLEST_CHANGE, leader=leader, tied=tied,
-                   reasons=["the default misses the SLOs on average, but no config is shown to beat it by a test; "
+                   reasons=[f"{default.label} misses the SLOs on average, but no config is shown to beat it by a test; "
                             f"{pick.label} is the smallest change among the {len(tied)} tied at the top"])
 
 
@@ -487,13 +490,14 @@ def _doubts(verdict: Verdict, default: Candidate) -> list[str]:
     return seen
 
 
-def _pairing(sim_done: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO]):
+def _pairing(sim_done: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO],
+             default_label: str = "the default"):
     def pair(params: dict) -> Candidate:
         sim = next((t for t in sim_done if t.params == params), None)
         runs = sorted((m for m in live if m.params == params), key=lambda m: m.repeat)
         is_default = default_params is not None and params == default_params
         number = sim.number if sim is not None else runs[0].number if runs else None
-        label = "the default" if is_default else f"trial {number}"
+        label = default_label if is_default else f"trial {number}"
         merged, spread = combine(runs, slos) if runs else (None, {})
         return Candidate(label, dict(params), sim, merged, is_default, runs, spread)
     return pair
@@ -526,10 +530,10 @@ def headline(verdict: Verdict) -> str:
     place, rec = where(verdict), verdict.recommended
     if verdict.kind in (BETTER, SMALLEST_CHANGE):
         flags = changed_flags(rec.params, verdict.default_params)
-        return (f"Verdict ({place}): set `{flags}`, everything else as the default ({rec.label})." if flags
+        return (f"Verdict ({place}): set `{flags}`, everything else as {verdict.reference} ({rec.label})." if flags
                 else f"Verdict ({place}): change to {rec.label}.")
     if verdict.kind == KEEP_DEFAULT:
-        return f"Verdict ({place}): no significant difference: keep the default."
+        return f"Verdict ({place}): no significant difference: keep {verdict.reference}."
     if verdict.kind == INCONCLUSIVE:
         lead = f" ({verdict.leader.label} measured best)" if verdict.leader else ""
         return f"Verdict ({place}): inconclusive{lead}: keep what you run."

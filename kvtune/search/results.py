@@ -41,6 +41,12 @@ class StudyInfo:
     model: str | None = None  # the simulated model's name (`preset` may be its config.json's path)
     gpus: int | None = None  # --gpus: each config served gpus / TP replicas, the traffic split evenly
     live_looks: int = 1  # how often stage 2 tested its runs (--repeats to --max-repeats): splits the error budget
+    baseline_args: str | None = None  # the operator's deployment every config was compared against, if given
+
+    @property
+    def reference(self) -> str:
+        """What the config every other is compared against is called."""
+        return "the baseline" if self.baseline_args else "the default"
 
     @property
     def on(self) -> str:
@@ -84,7 +90,8 @@ def load_report_data(db_url: str, name: str) -> ReportData:
         info = study_info(study, runs)
         trials = [_stage1(t, info, runs) for t in study.get_trials(deepcopy=False)]
         live = _stage2(store, name, info, runs, load)
-        verdict, candidates, default = choose(trials, live, info.slos, _default_params(info), info.live_looks)
+        verdict, candidates, default = choose(trials, live, info.slos, _default_params(info), info.live_looks,
+                                              info.reference)
         data = ReportData(info, study, trials, live, candidates, default, verdict)
         if data.headline is not None:
             data.best_run = _run_view(load, data.headline, "recommended" if verdict.recommended else "closest")
@@ -133,7 +140,7 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
         space=dict(attrs.get("space") or {}), default_params=attrs.get("default_params"),
         live_requests=attrs.get("live_requests"), tensor_parallel_size=attrs.get("tensor_parallel_size") or 1,
         model=attrs.get("model") or attrs.get("preset") or (first_run and first_run.model), gpus=attrs.get("gpus"),
-        live_looks=attrs.get("live_looks") or 1)
+        live_looks=attrs.get("live_looks") or 1, baseline_args=attrs.get("baseline_args"))
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:

@@ -118,7 +118,8 @@ def open_study(storage, name: str, objective: Objective, sampler: str, seed: int
     if existing is not None:
         for key, wanted in (("objective", objective.kind), ("slos", attrs.get("slos")),
                             ("workload", attrs.get("workload")), ("preset", attrs.get("preset")),
-                            ("device", attrs.get("device")), ("max_concurrency", attrs.get("max_concurrency"))):
+                            ("device", attrs.get("device")), ("max_concurrency", attrs.get("max_concurrency")),
+                            ("baseline_args", attrs.get("baseline_args"))):
             if study.user_attrs.get(key) != wanted:
                 raise StudyError(f"study {name!r} was created with {key} {study.user_attrs.get(key)!r}, not "
                                  f"{wanted!r}: its trials would not compare; resume it with the same settings "

@@ -64,6 +64,29 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in ENGINE_FLAG_FIELDS})
 
 
+def given_flags(text: str, what: str) -> dict:
+    """The engine knobs a shell string of `vllm serve` flags sets ({field: value}), only those it
+    names; ValueError naming `what` and the first argument that is not such a flag or its value."""
+    import shlex
+
+    try:
+        tokens = shlex.split(text)
+    except ValueError as err:
+        raise ValueError(f"{what}: {err}") from None
+    parser = argparse.ArgumentParser(prog=what, add_help=False, exit_on_error=False)
+    add_engine_flags(parser)
+    try:
+        parsed, unknown = parser.parse_known_args(tokens)
+    except argparse.ArgumentError as err:
+        raise ValueError(f"{what}: {err}") from None
+    if unknown:
+        raise ValueError(f"{what}: {unknown[0]} is not a KV-cache or scheduler flag (vllm serve's names: "
+                         "--block-size, --max-num-seqs, --kv-cache-dtype, ...)")
+    names = {t.split("=", 1)[0] for t in tokens if t.startswith("--")}
+    return {f.name: getattr(parsed, f.name) for f in ENGINE_FLAG_FIELDS
+            if flag_name(f.name) in names or "--no-" + flag_name(f.name)[2:] in names}
+
+
 def launch_flags(config: EngineConfig) -> list[str]:
     """The `vllm serve` / `kvengine serve` arguments that reproduce `config`: the searched knobs
     always, the others where they are not the default; a None (unresolved: block_size left to the
