@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Does the same search give the same advice when run again? The demo's search, N times.
+
+Runs `make demo`'s search (its trace, SLOs, space, budget; stage 1 on the calibrated profile the
+demo stores, calibrated here first when missing; stage 2 live on kvengine's torch executor on this
+CPU) N times, each a fresh study, and prints each verdict: its kind and the flags it recommends
+(the changes from the default). The share of reruns that give the most common advice is the
+stability. Goal >= 90 %. The reruns are real live searches, about 4 minutes each on 2 cores.
+
+    python benchmarks/verdict_stability.py [--runs 5] [--db sqlite:///reports/stability.db] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "kvtune/data/demo_pressure.jsonl"
+PROFILE = "demo-cpu"
+# make demo's search, as the Makefile gives it (DEMO_SLOS, DEMO_LIMITS, DEMO_SPACE and the search line)
+LIMITS = ["--max-model-len", "512"]
+SEARCH = ["--slo", "ttft_p95=2s", "--slo", "tpot_p95=60ms", *LIMITS, "--space", "kv_cache_dtype=auto,fp8",
+          "--space", "max_num_seqs=8:256:log", "--target", "engine", "--executor", "torch",
+          "--server-args", "--kv-cache-memory-bytes 2MiB", "--trials", "50", "--top-k", "2", "--repeats", "3",
+          "--max-repeats", "4", "--live-budget", "12", "--no-report", "--json"]
+
+
+def kvtune(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def ensure_profile(db: str) -> None:
+    """The demo's calibrated profile in `db`, calibrated as `make demo` does where it is missing."""
+    from kvtune.calibrate import get_profile
+
+    try:
+        get_profile(db, PROFILE)
+        return
+    except Exception:  # noqa: BLE001 (missing profile or database: calibrate)
+        pass
+    for _ in range(2):  # the demo's own retry: a calibration may be refused on a busy host
+        p = kvtune("calibrate", "--target", "engine", "--executor", "torch", "--quick", "--max-prompt", "512",
+                   "--quantized-kv", "fp8", *LIMITS, "--name", PROFILE, "--db", db)
+        if p.returncode == 0:
+            return
+    raise SystemExit(f"calibration refused twice:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+
+
+def advice(out: dict, default: dict | None) -> str:
+    """A verdict as advice: its kind and the flags it changes."""
+    rec = out.get("recommended")
+    if out["verdict"] in ("better", "smallest_change") and rec:
+        from kvtune.search.ranking import changed_flags
+
+        return f"set {changed_flags(rec, default)}"
+    return out["verdict"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--db", default="sqlite:///reports/stability.db")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    (ROOT / "reports").mkdir(exist_ok=True)
+    ensure_profile(args.db)
+    rows = []
+    for i in range(args.runs):
+        study = f"stability-{time.strftime('%Y%m%d-%H%M%S')}-{i}"
+        t0 = time.monotonic()
+        p = kvtune("search", "--workload", str(TRACE), "--profile", PROFILE, *SEARCH, "--db", args.db,
+                   "--study", study)
+        if p.returncode != 0:
+            rows.append({"study": study, "advice": f"failed (exit {p.returncode})", "error": p.stderr[-500:]})
+            print(f"run {i + 1}: failed: {p.stderr[-300:]}")
+            continue
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        default = next((c["params"] for c in out["live"] if c["is_default"]), None)
+        rows.append({"study": study, "advice": advice(out, default), "verdict": out["verdict"],
+                     "reasons": out["reasons"], "wall_s": round(time.monotonic() - t0)})
+        print(f"run {i + 1}: {rows[-1]['advice']}  ({rows[-1]['wall_s']} s)")
+    counts = collections.Counter(r["advice"] for r in rows)
+    mode, same = counts.most_common(1)[0]
+    share = same / len(rows)
+    print(f"\n{same} of {len(rows)} reruns gave the most common advice ({mode}): {share:.0%} (goal >= 90 %)")
+    if args.json:
+        print(json.dumps({"share_same": share, "runs": len(rows), "advice": dict(counts), "mode": mode,
+                          "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
