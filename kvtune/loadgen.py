@@ -6,8 +6,9 @@ sides share — the replay plan, SSE parsing, the per-request sample — and the
 agent's launcher; `kvtune/locustfile.py` holds the Locust users.
 
 Each request is sent at its arrival time, however the server is doing (or, in a
-closed loop, once one of its slots is free); its lateness (sent - scheduled) is recorded, so a load generator that cannot keep
-up is caught instead of silently turning into a closed loop.
+closed loop, once one of its slots is free); its lateness (sent - scheduled) is
+recorded, so a load generator that cannot keep up is caught instead of silently
+turning into a closed loop.
 """
 from __future__ import annotations
 

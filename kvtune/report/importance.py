@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import optuna
 from optuna.trial import TrialState
 
-from ..search.ranking import SIM_TIE
+from ..search.ranking import SIM_TIE, within_tie
 
 MIN_TRIALS = 10  # below this the top-quantile split of PED-ANOVA is a handful of points: noise
 
@@ -33,7 +33,7 @@ def param_importance(study: optuna.Study, objective_label: str) -> Importance:
         return Importance(None, f"Every completed trial scored the same {objective_label}: "
                                 "no knob made a difference on this workload.")
     low, high = min(t.values[0] for t in done), max(t.values[0] for t in done)
-    if high - low <= SIM_TIE * max(abs(low), abs(high)):
+    if within_tie(low, high):
         # differences the simulator cannot resolve: ranking them by knob would rank its rounding
         return Importance(None, f"Every completed trial scored within {SIM_TIE:.0%} of the others by "
                                 f"{objective_label}, the simulator's own tie: no knob made a difference it can "

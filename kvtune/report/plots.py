@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from ..search.results import RunView
-from ..search.ranking import SIM_TIE, Measurement
+from ..search.ranking import SIM_TIE, Measurement, within_tie
 from .words import metric_label
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ def history(trials: list[Measurement], value_label: str) -> Figure | None:
         ax.step(*zip(*steps), where="post", c=BEST, lw=1.5, label="best so far (meets the SLOs)")
     title = "Optimisation history (stage 1, simulator)"
     low, high = min(t.value for t in done), max(t.value for t in done)
-    if high - low <= SIM_TIE * max(abs(low), abs(high)):
+    if within_tie(low, high):
         # no offset axis magnifying differences the simulator cannot resolve: the axis starts at 0
         ax.set_ylim(min(0.0, low), high * 1.1 if high > 0 else 1.0)
         title += f": every trial within {SIM_TIE:.0%}, the simulator's tie"

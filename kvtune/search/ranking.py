@@ -39,6 +39,12 @@ MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, h
 LEVEL = 0.95  # the intervals' confidence
 ALPHA = 0.05  # the chance of a false "better" a verdict allows, over all its comparisons and looks
 
+
+def within_tie(a: float, b: float) -> bool:
+    """Whether two stage-1 values are one result at the simulator's precision (SIM_TIE apart at most)."""
+    return abs(a - b) <= SIM_TIE * max(abs(a), abs(b))
+
+
 # what a verdict can be
 BETTER = "better"  # the recommended config beats the default by a test at the error budget
 KEEP_DEFAULT = "keep_default"  # no config is shown to beat the default
@@ -83,25 +89,24 @@ def interval(values: list[float]) -> Interval | None:
 class Difference:
     """One test of `a` beating `b` on one figure: a's mean minus b's, its Welch interval at LEVEL,
     and the one-sided p-value of `a` being better (higher for the objective, lower for an SLO)."""
-    figure: str
     diff: float
     lo: float
     hi: float
     p: float
 
 
-def welch(a: Interval, b: Interval, figure: str, higher_is_better: bool = True) -> Difference | None:
+def welch(a: Interval, b: Interval, higher_is_better: bool = True) -> Difference | None:
     """Welch's t-test of a's mean against b's (unequal variances); None with fewer than 2 runs of either."""
     if a.n < 2 or b.n < 2:
         return None
     va, vb = a.sd ** 2 / a.n, b.sd ** 2 / b.n
     diff, se = a.mean - b.mean, math.sqrt(va + vb)
     if se == 0:  # runs identical to the bit (a simulated executor): any difference is certain
-        return Difference(figure, diff, diff, diff, 0.0 if (diff > 0) == higher_is_better and diff else 1.0)
+        return Difference(diff, diff, diff, 0.0 if (diff > 0) == higher_is_better and diff else 1.0)
     df = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
     t = diff / se if higher_is_better else -diff / se
     half = float(stats.t.ppf((1 + LEVEL) / 2, df)) * se
-    return Difference(figure, diff, diff - half, diff + half, float(stats.t.sf(t, df)))
+    return Difference(diff, diff - half, diff + half, float(stats.t.sf(t, df)))
 
 
 @dataclass
@@ -201,7 +206,6 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)  # the evidence for the verdict, or against trusting it
     leader: Candidate | None = None  # the best by the objective's mean (before the tie rule)
     tied: list[Candidate] = field(default_factory=list)  # configs indistinguishable from the leader
-    alpha: float | None = None  # the live verdict's error budget per look
     default_params: dict | None = None  # what the recommendation's flags are changed from
     reference: str = "the default"  # what that config is called: the default, or the operator's baseline
 
@@ -299,7 +303,7 @@ def compare(a: Candidate, b: Candidate, slos: list[SLO]) -> Test | None:
     if va is None or vb is None or va.n < 2 or vb.n < 2:
         return None
     tests = []
-    d = welch(va, vb, "value")
+    d = welch(va, vb)
     if d is not None and va.mean > vb.mean * (1 + MIN_GAIN):
         tests.append((d.p, f"its mean {va.mean:.3g} [{va.lo:.3g}, {va.hi:.3g}] against {vb.mean:.3g} "
                            f"[{vb.lo:.3g}, {vb.hi:.3g}], a difference of {d.diff:+.3g} [{d.lo:+.3g}, {d.hi:+.3g}]"))
@@ -309,7 +313,7 @@ def compare(a: Candidate, b: Candidate, slos: list[SLO]) -> Test | None:
                     for m in a.runs if m.ok)
         if sa is None or sb is None or not meets or sb.mean <= slo.threshold_s:
             continue
-        d = welch(sa, sb, slo.name, higher_is_better=False)
+        d = welch(sa, sb, higher_is_better=False)
         if d is not None:
             ms = lambda v: f"{v * 1000:.0f}"  # noqa: E731
             tests.append((d.p, f"it meets {slo.name} <= {slo.threshold_s * 1000:g} ms in every run "
@@ -339,7 +343,7 @@ def holm(tests: dict, alpha: float) -> set:
     return rejected
 
 
-def meets_in(c: Candidate, slos: list[SLO]) -> tuple[int, int]:
+def meets_in(c: Candidate) -> tuple[int, int]:
     """(runs that met every SLO, runs completed) of a live config."""
     done = [m for m in c.runs if m.ok]
     return sum(1 for m in done if m.feasible), len(done)
@@ -376,7 +380,6 @@ def _live_verdict(live, pair, default, slos, sim_done, alpha: float):
         return Verdict("live", None, None, kind=FAILED, reasons=reasons or ["no live run completed"]), shown
     verdict = _decide("live", [c for c in shown if c in done], default, slos,
                       lambda a, b: separated(a, b, slos, alpha), _holm_beating(slos, alpha))
-    verdict.alpha = alpha
     verdict.reasons += _robustness(verdict, default, slos)
     if verdict.kind == INFEASIBLE:
         verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
@@ -429,7 +432,7 @@ def _robustness(verdict: Verdict, default: Candidate, slos: list[SLO]) -> list[s
     lines = []
     rec = verdict.recommended
     for c in [default] + ([rec] if rec is not None and rec is not default and not rec.is_default else []):
-        met, done = meets_in(c, slos)
+        met, done = meets_in(c)
         if slos and 0 < met < done:
             lines.append(f"{c.label} met the SLOs in {met} of {done} runs")
         elif slos and met == 0 and done and c.is_default:

@@ -26,6 +26,7 @@ from .ranking import (
     Measurement,
     choose,
     combine,
+    within_tie,
 )
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
@@ -91,7 +92,7 @@ def same_result(a, b) -> bool:
     their (first) values within ranking.SIM_TIE of each other, the stage-1 verdict's tie (bit-identical
     runs, a knob that never bound, are the plainest case; a trace that both serve whole is another)."""
     va, vb = a.values[0], b.values[0]
-    return is_feasible(a) == is_feasible(b) and abs(va - vb) <= SIM_TIE * max(abs(va), abs(vb))
+    return is_feasible(a) == is_feasible(b) and within_tie(va, vb)
 
 
 def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConfig], list[str]]:
