@@ -408,6 +408,8 @@ def test_launch_lines_carry_the_measured_servers_flags_and_label_the_others_unte
     *_, engine = launch_commands(config, "tiny", "cpu", None, {"launch_server": "engine", "executor": "torch"})
     assert "--executor torch" in engine.text and "as it was measured" in engine.note
     assert "--kv-cache-memory-bytes 1073741824" in engine.text  # asked of that server: kept
+    *_, engine = launch_commands(config, "tiny", "cpu", None, {})  # a study of the simulator alone
+    assert "the simulator that measured this config" in engine.note and "another server" not in engine.note
 
 
 def test_parameter_importance_is_not_drawn_from_differences_within_the_simulators_tie(tmp_path):

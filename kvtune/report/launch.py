@@ -65,6 +65,8 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
     argv = ["kvengine", *_strip_local(engine.serve_args(config, 0))]
     out.append(LaunchCommand("kvengine", _shell(argv), (
         f"the bundled engine with the {executor} executor, as it was measured" if executor else
+        "the bundled engine serving the simulated device (--executor sim): the simulator that measured this "
+        "config, in real time" if server_of_args is None else
         "the bundled engine serving the simulated device (--executor sim): an untested translation, "
         "kvtune measured another server")))
     return out
