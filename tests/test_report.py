@@ -403,6 +403,11 @@ def test_launch_lines_carry_the_measured_servers_flags_and_label_the_others_unte
     vllm, sglang, engine = launch_commands(config, "tiny", "cpu", "/models/tiny", measured)
     assert "--kv-cache-memory-bytes" not in vllm.text and vllm.text.startswith("VLLM_CPU_KVCACHE_SPACE=1 ")
     assert "--kv-cache-dtype fp8" in vllm.text and "untested" not in vllm.note
+    assert "vllm serve /models/tiny" in vllm.text  # a console script ran it: the same form
+    module = launch_commands(config, "tiny", "cpu", "/models/tiny",
+                             measured | {"launch_module": "vllm.entrypoints.openai.api_server"})[0]
+    assert module.text.startswith("VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server \\\n"
+                                  "    --model /models/tiny"), module.text
     assert "untested translation" in sglang.note and "untested translation" in engine.note
     assert "--executor sim" in engine.text
     *_, engine = launch_commands(config, "tiny", "cpu", None, {"launch_server": "engine", "executor": "torch"})

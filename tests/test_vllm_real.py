@@ -203,6 +203,7 @@ def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(early):
     assert "F6" in found and found["F6"]["severity"] in ("warning", "critical"), found
     run = Store(db).load_run(s["run_id"])
     assert run.config["num_gpu_blocks"] == 64 and run.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert run.config["launch_module"] == "vllm.entrypoints.openai.api_server"  # the CPU build's venv: module form
 
 
 def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, early, tmp_path):

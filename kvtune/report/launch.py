@@ -36,7 +36,7 @@ class LaunchCommand:
 
 def launch_commands(config: EngineConfig, preset: str | None, device: str | None,
                     served_model: str | None = None, measured: dict | None = None) -> list[LaunchCommand]:
-    """vllm serve, SGLang and kvengine serve; `served_model` when a live run already used a real model;
+    """vLLM (`vllm serve`, or the module form the measured vLLM ran as), SGLang and kvengine serve; `served_model` when a live run already used a real model;
     `measured`: that run's stored config, whose server environment (VLLM_CPU_KVCACHE_SPACE=...) and
     extra server arguments the command of its server must carry to reproduce what was measured."""
     model = served_model or _PLACEHOLDER
@@ -48,9 +48,13 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
         # the measured server's pool came from its environment: the byte count it reported is no flag it
         # was given, and pasted on a GPU host it would pin the pool at that size
         config = dataclasses.replace(config, kv_cache_memory_bytes=None)
+    # the form the measured vLLM ran as: `python -m vllm.entrypoints.openai.api_server --model ...`
+    # takes its flags as `vllm serve` does, but the operator should paste what kvtune ran
+    module = measured.get("launch_module") if server_of_args == "vllm" else None
+    vllm_command = f"python -m {module}" if module else "vllm"
     out = []
     for server, name, target, server_env in (
-            ("vLLM", "vllm", VllmTarget(model=model, vllm_command="vllm", extra_args=vllm_args), env),
+            ("vLLM", "vllm", VllmTarget(model=model, vllm_command=vllm_command, extra_args=vllm_args), env),
             ("SGLang", "sglang", SglangTarget(model=model, python="python", extra_args=sglang_args), {})):
         try:
             argv = _strip_local(target.command(config, 0))

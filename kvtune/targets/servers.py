@@ -100,6 +100,8 @@ class _ServerTarget(ABC):
         result.config["launch_env"] = self.rules.launch_env()
         result.config["launch_args"] = getattr(self, "extra_args", "")
         result.config["launch_server"] = self.name
+        if getattr(self, "module_form", False):  # the launch line repeats the form that was measured
+            result.config["launch_module"] = VLLM_MODULE
         if getattr(self, "executor", None):
             result.config["executor"] = self.executor
         # what this server takes, for the fixes a diagnosis proposes (it never sees the target)
