@@ -294,84 +294,50 @@ def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
     trials[2].values = [10.0]
     candidates, notes = live_candidates(trials, 1, DEFAULT)
     assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 0", level)]
-    assert "trial 0 runs live though the simulator scores it level with the default" in notes[-1]
+    assert "trial 0 runs live though the simulator scores it level with the default" in notes[0]
+    assert notes[1].startswith("trial 1 stands for trial 2 in stage 2")
 
 
-def _level_trial(number: int, params: dict, value: float, ttft_s: float, threshold_s: float = 2.0):
-    """A completed stage-1 trial as the study holds it: its value, the SLO's constraint and observed percentile."""
-    dists = {k: optuna.distributions.CategoricalDistribution([16, 32, 64, 128, 256, "auto", "fp8"]) for k in DEFAULT}
-    trial = optuna.trial.create_trial(params=params, distributions=dists, values=[value],
-                                      constraints={"ttft_p95": ttft_s - threshold_s},
-                                      user_attrs={"observed_ttft_p95": ttft_s})
-    trial.number = number
-    return trial
+def test_the_race_enters_distinct_results_first_and_level_configs_only_in_places_left():
+    """Entrants in the simulator's order: every distinct result before any config the simulator
+    scores level with the default (the default stands for those), whatever their headroom."""
+    dists = {k: optuna.distributions.CategoricalDistribution([16, 32, 64, 128, 256, "auto"]) for k in DEFAULT}
+    level, lower, lowest = dict(DEFAULT, block_size=32), dict(DEFAULT, block_size=64), dict(DEFAULT, block_size=128)
+    trials = []
+    for number, (params, value) in enumerate([(DEFAULT, 10.0), (level, 9.99), (lower, 9.0), (lowest, 8.0)]):
+        trial = optuna.trial.create_trial(params=params, distributions=dists, values=[value])
+        trial.number = number
+        trials.append(trial)
+    assert [c.params for c in live_candidates(trials, 2, DEFAULT)[0]] == [DEFAULT, lower, lowest]
+    candidates, notes = live_candidates(trials, 3, DEFAULT)
+    assert [c.params for c in candidates] == [DEFAULT, lower, lowest, level]
+    assert notes == ["trial 1 runs live though the simulator scores it level with the default: the live stage "
+                     "tells apart what the simulator cannot"]
 
 
-def test_a_level_config_runs_live_by_its_headroom_in_the_slos():
-    """Every config serves the trace whole in the simulator (level with the default): the live stage
-    runs the one the sim ran furthest inside the SLOs (the pool's tipping point is the sim's blind
-    spot), in the simplest form that keeps its headroom; without such headroom, the fewest changes."""
-    fp8 = dict(DEFAULT, kv_cache_dtype="fp8")
-    fp8_more = dict(DEFAULT, kv_cache_dtype="fp8", block_size=64, max_num_seqs=128)
-    level_block = dict(DEFAULT, block_size=32)
-    trials = [_level_trial(0, level_block, 10.0, 1.0), _level_trial(1, DEFAULT, 10.0, 1.0),
-              _level_trial(2, fp8_more, 10.0, 0.2), _level_trial(3, fp8, 10.0, 0.25)]
-    candidates, notes = live_candidates(trials, 1, DEFAULT)
-    assert [c.params for c in candidates] == [DEFAULT, fp8]  # 0.875 keeps 90 % of trial 2's 0.9 over 0.5
-    assert "trial 3 runs live though the simulator scores it level with the default" in notes[-1]
-    assert "headroom 0.88 against the default's 0.50" in notes[-1]
-    # Ranked first in the default's group, it still runs once, beside the default.
-    reordered = [trials[3], trials[1], trials[0], trials[2]]
-    candidates, _ = live_candidates(reordered, 2, DEFAULT)
-    assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 3", fp8),
-                                                         ("trial 0", level_block)]
-    # It comes before a result the simulator scores below the default; the next slot goes to that one.
-    worse = dict(DEFAULT, block_size=128)
-    trials.append(_level_trial(4, worse, 8.0, 1.5))
-    assert [c.params for c in live_candidates(trials, 1, DEFAULT)[0]] == [DEFAULT, fp8]
-    assert [c.params for c in live_candidates(trials, 2, DEFAULT)[0]] == [DEFAULT, fp8, worse]
-    trials[3] = _level_trial(3, fp8, 10.0, 0.4)  # 0.8: fp8 alone gives up a quarter of the headroom
-    assert [c.params for c in live_candidates(trials, 1, DEFAULT)[0]] == [DEFAULT, fp8_more]
-    # Headroom within the sim's noise decides nothing: the fewest changes, as before.
-    trials = [_level_trial(0, level_block, 10.0, 1.0), _level_trial(1, DEFAULT, 10.0, 1.0),
-              _level_trial(2, fp8_more, 10.0, 0.96), _level_trial(3, fp8, 10.0, 0.97)]
-    candidates, notes = live_candidates(trials, 1, DEFAULT)
-    assert [c.params for c in candidates] == [DEFAULT, level_block]
-    assert "headroom" not in notes[-1]
+def test_a_config_meeting_the_slos_in_every_run_is_preferred_to_a_higher_mean_that_missed_one():
+    live = (runs(B, 7, [9.0, 9.4, 9.2], ttft=0.3)[:2] + [run(B, 7, 3, 9.3, ttft=0.7)]
+            + runs(A, 9, [8.0, 8.2, 8.1], ttft=0.3) + runs(DEFAULT, -1, [5.0, 5.1, 4.9], ttft=0.45))
+    verdict, _, _ = choose([], live, [SLO], DEFAULT)
+    assert verdict.kind == BETTER and verdict.leader.params == A and verdict.recommended.params == A
+    assert [c.params for c in verdict.fragile] == [B]
+    assert any("trial 7 had a higher mean (9.23 against 8.1) but met the SLOs in only 2 of 3 runs: trial 9, which "
+               "met them in every run, is preferred" in r for r in verdict.reasons), verdict.reasons
 
 
-def test_a_level_leader_is_simplified_to_what_keeps_its_headroom(tmp_path):
-    """On a trace every config serves whole, the auto-dtype default sits near its pool's tipping
-    point (TTFT p95 up, goodput level within SIM_TIE) while fp8 has room: the live stage runs fp8
-    alone, not the sampled leader's three changes, and not the default a second time."""
-    from kvtune.search.stage2 import headroom, simpler_leaders
-    from kvtune.search.study import Stage1, open_storage, open_study, ranked_trials
+def test_a_tie_goes_by_the_simulators_order_not_by_the_live_means():
+    """Two one-flag changes tied live: the one the simulator ranked higher is recommended, whichever
+    live mean is higher, so a rerun's noise does not flip the advice."""
+    C = dict(DEFAULT, max_num_seqs=64)
 
-    db = f"sqlite:///{tmp_path}/s.db"
-    space = load_space(None, ["block_size=16,32", "max_num_seqs=128,256", "kv_cache_dtype=auto,fp8",
-                              "gpu_memory_utilization=0.9"])
-    dflt = {"block_size": 32, "max_num_seqs": 256, "kv_cache_dtype": "auto", "gpu_memory_utilization": 0.9}
-    sampled = dflt | {"block_size": 16, "max_num_seqs": 128, "kv_cache_dtype": "fp8"}
-    objective = Objective("goodput", (parse_slo("ttft_p95=1s"),))
-    light = Workload([TraceRequest(i * 0.5, 400, 50) for i in range(32)])
-    study = open_study(open_storage(db), "level", objective, "tpe", 0, {})
-    # the generic roofline's timing, on which the pool's tipping point was placed (not the L4's fitted kernels)
-    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"), CostCoefficients())
-    base = EngineConfig(max_model_len=1200, kv_cache_memory_bytes=410_000_000)
-    with Store(db) as store:
-        stage1 = Stage1(study, space, base, objective, sim.run, light, store, 2)
-        stage1.enqueue(dflt)
-        stage1.enqueue(sampled)
-        stage1.optimize()
-        first = {t.params["kv_cache_dtype"]: t for t in ranked_trials(study, objective)}
-        assert same_result(first["auto"], first["fp8"])  # level in goodput ...
-        assert headroom(first["fp8"]) > headroom(first["auto"]) + 0.05  # ... not in TTFT
-        notes = simpler_leaders(stage1, ranked_trials(study, objective), 1, dflt)
-    fp8 = dflt | {"kv_cache_dtype": "fp8"}
-    assert any("without block_size 16, max_num_seqs 128" in n and "keeps its headroom" in n for n in notes), notes
-    candidates, notes = live_candidates(ranked_trials(study, objective), 1, dflt)
-    assert [c.params for c in candidates] == [dflt, fp8]
-    assert "runs live though the simulator scores it level with the default" in notes[-1]
+    def sim(params, number, value):
+        return Measurement("sim", number, dict(params), "COMPLETE", values=[value],
+                           constraints={SLO.name: -0.1}, observed={SLO.name: 0.4})
+    trials = [sim(C, 1, 9.0), sim(A, 2, 8.5), sim(DEFAULT, 0, 5.0)]
+    for a_runs, c_runs in (([8.3, 8.1, 8.2], [8.0, 8.2, 8.1]), ([8.0, 8.2, 8.1], [8.3, 8.1, 8.2])):
+        live = runs(A, 2, a_runs) + runs(C, 1, c_runs) + runs(DEFAULT, 0, [5.0, 5.1, 4.9])
+        verdict, _, _ = choose(trials, live, [SLO], DEFAULT)
+        assert verdict.kind == BETTER and verdict.recommended.params == C
 
 
 def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_one_that_is():

@@ -2,22 +2,26 @@
 
 `search --json`, the report and the UI all take their verdict from `choose`.
 
-Stage 2 (the live target) decides whenever it completed a run. Each live config
-runs several times; a config beats the target's default only when a test says so
-at a stated error rate: Welch's t-test (one-sided, unequal variances: the configs'
-run-to-run noise differs) of its objective's mean against the default's, and of
-each SLO's observed value where it meets the SLO in every run and the default
-misses it on average. The tests of one comparison are Bonferroni-combined, the
-comparisons of all the candidates with the default Holm-corrected, and the repeats
+Stage 2 (the live target) decides whenever it completed a run. Configs are ranked by how
+they met the SLOs (`tier`: in every run, on average only, not at all), then by the
+objective's mean: a config that met them in every run is preferred to one with a higher
+mean that missed them in some run. The leader's tie is every config of its tier that the
+leader does not beat by a test. A config beats the reference (the default, or the
+operator's baseline) only when a test says so at a stated error rate: Welch's t-test
+(one-sided, unequal variances: the configs' run-to-run noise differs) of its objective's
+mean, and of each SLO's observed value where it meets the SLO in every run and the
+reference misses it on average. The tests of one comparison are Bonferroni-combined, the
+comparisons of all the tied configs with the reference Holm-corrected, and the repeats
 added while undecided are paid for by dividing the error budget over the looks
-(`choose`'s `looks`): the chance of a false "better" stays within ALPHA. Intervals
-are Student-t 95 % intervals of the mean. Otherwise the verdict is "keep the
-default", or, when the default itself misses the SLOs, the config among those tied
-at the top that changes the fewest flags. Runs whose own
-evidence is doubtful (client and server disagree, the load generator fell behind,
-the host was saturated, requests failed) make the verdict inconclusive. Stage 1
-alone (no live stage) is deterministic: configs within SIM_TIE of the best are
-tied, and the same tie rule applies.
+(`choose`'s `looks`): the chance of a false "better" stays within ALPHA. Intervals are
+Student-t 95 % intervals of the mean. Of the tied configs shown to beat the reference,
+the one changing the fewest flags is recommended (the simulator's order breaks a tie:
+it is the same on a rerun, the live means are not). The reference in the tie: keep it.
+The reference outside the tie (it misses an SLO) and nothing shown to beat it: the
+smallest change in the tie. Runs whose own evidence is doubtful (client and server
+disagree, the load generator fell behind, the host was saturated, requests failed) make
+the verdict inconclusive. Stage 1 alone (no live stage) is deterministic: configs within
+SIM_TIE of the best are tied, and the same rule applies.
 """
 from __future__ import annotations
 
@@ -206,6 +210,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)  # the evidence for the verdict, or against trusting it
     leader: Candidate | None = None  # the best by the objective's mean (before the tie rule)
     tied: list[Candidate] = field(default_factory=list)  # configs indistinguishable from the leader
+    fragile: list[Candidate] = field(default_factory=list)  # higher means than the leader's, SLOs missed in some run
     default_params: dict | None = None  # what the recommendation's flags are changed from
     reference: str = "the default"  # what that config is called: the default, or the operator's baseline
 
@@ -349,6 +354,19 @@ def meets_in(c: Candidate) -> tuple[int, int]:
     return sum(1 for m in done if m.feasible), len(done)
 
 
+EVERY_RUN, ON_AVERAGE, MISSED = 0, 1, 2  # how a config met the SLOs: `tier`'s values, best first
+
+
+def tier(c: Candidate, stage: str) -> int:
+    """How `c` met the SLOs on `stage`: EVERY_RUN; ON_AVERAGE (its means meet them, some run missed:
+    fragile); MISSED (its means miss them). A simulated trial is one run: it met them or not."""
+    m = c.live if stage == "live" else c.sim
+    if m is None or not m.feasible:
+        return MISSED
+    met, done = meets_in(c) if stage == "live" else (1, 1)
+    return EVERY_RUN if met == done else ON_AVERAGE
+
+
 # ---------------------------------------------------------------- the verdict
 
 def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
@@ -373,7 +391,7 @@ def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
 def _live_verdict(live, pair, default, slos, sim_done, alpha: float):
     configs = _unique([pair(m.params) for m in live])
     done = [c for c in configs if c.live is not None and c.live.ok]
-    shown = sorted(configs, key=lambda c: (c.live is None or not c.live.ok,
+    shown = sorted(configs, key=lambda c: (c.live is None or not c.live.ok, tier(c, "live"),
                                            rank_key(c.live, slos) if c.live is not None and c.live.ok else 0))
     if not done:
         reasons = list(dict.fromkeys(f"{c.label}: {m.reason}" for c in configs for m in c.runs if m.reason))
@@ -428,7 +446,8 @@ def _holm_beating(slos: list[SLO], alpha: float):
 
 
 def _robustness(verdict: Verdict, default: Candidate, slos: list[SLO]) -> list[str]:
-    """A config that meets the SLOs in some runs and misses them in others is fragile: say so."""
+    """A config that meets the SLOs in some runs and misses them in others is fragile: say so, and
+    say so of a fragile config with a higher mean than the recommended one, which was preferred."""
     lines = []
     rec = verdict.recommended
     for c in [default] + ([rec] if rec is not None and rec is not default and not rec.is_default else []):
@@ -437,46 +456,61 @@ def _robustness(verdict: Verdict, default: Candidate, slos: list[SLO]) -> list[s
             lines.append(f"{c.label} met the SLOs in {met} of {done} runs")
         elif slos and met == 0 and done and c.is_default:
             lines.append(f"{c.label} missed the SLOs in {done} of {done} runs")
+    if rec is not None and tier(rec, "live") == EVERY_RUN:
+        for c in verdict.fragile:
+            met, done = meets_in(c)
+            lines.append(f"{c.label} had a higher mean ({c.live.value:.3g} against {rec.live.value:.3g}) but met the "
+                         f"SLOs in only {met} of {done} runs: {rec.label}, which met them in every run, is preferred")
     return lines
 
 
 def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list[SLO], beats,
             beating=None) -> Verdict:
-    """The tie rule, on configs best first (by their measurement on `stage`). `beats(a, b)` says why
-    a beats b or None; `beating(tied, default)`, where given, which tied configs beat the default
-    ({id: why}) when they are tested together (live: Holm over them)."""
+    """The tie rule, on configs best first (by `tier`, then their measurement on `stage`). `beats(a, b)`
+    says why a beats b or None; `beating(tied, default)`, where given, which tied configs beat the
+    default ({id: why}) when they are tested together (live: Holm over them)."""
     def on(c):
         return c.live if stage == "live" else c.sim
 
     leader = ordered[0]
-    if not on(leader).feasible:
+    if tier(leader, stage) == MISSED:
         return Verdict(stage, None, leader, misses(on(leader), slos), kind=INFEASIBLE, leader=leader,
                        reasons=["no config met every SLO"])
-    tied = [c for c in ordered if on(c).feasible and beats(leader, c) is None]
+    tied = [c for c in ordered if tier(c, stage) == tier(leader, stage) and beats(leader, c) is None]
+    fragile = [c for c in ordered if tier(c, stage) == ON_AVERAGE and on(c).value > on(leader).value]
+    verdict = Verdict(stage, None, None, kind=BETTER, leader=leader, tied=tied, fragile=fragile)
     default_in = next((c for c in ordered if c.is_default), None)
     if default_in is not None and default_in in tied:
-        reasons = [f"no config beats {default.label} by a Welch t-test at the error budget" if stage == "live" else
-                   f"no config beats {default.label} by more than {SIM_TIE:.0%} on the simulator"]
-        return Verdict(stage, default_in, None, kind=KEEP_DEFAULT, reasons=reasons, leader=leader, tied=tied)
-    def smallest(configs):
-        return min(configs, key=lambda c: (c.changes_from(default.params), -(on(c).value or 0.0)))
-
+        verdict.recommended, verdict.kind = default_in, KEEP_DEFAULT
+        verdict.reasons = [f"no config beats {default.label} by a Welch t-test at the error budget" if stage == "live"
+                           else f"no config beats {default.label} by more than {SIM_TIE:.0%} on the simulator"]
+        return verdict
     if default_in is None or not on(default_in).ok:
-        why = f"{default.label} did not complete a run" if stage == "live" else f"{default.label} was not measured"
-        return Verdict(stage, smallest(tied), None, kind=BETTER, reasons=[why], leader=leader, tied=tied)
+        verdict.recommended = _simplest(tied, default, slos)
+        verdict.reasons = [f"{default.label} did not complete a run" if stage == "live" else
+                           f"{default.label} was not measured"]
+        return verdict
     # Of the tied, only one shown to beat the default is a change worth making: a smaller change
     # that ties with the leader but not beyond the default's spread is not shown to gain anything.
     why = beating(tied, default_in) if beating else {id(c): beats(c, default_in) for c in tied}
     shown = [c for c in tied if why.get(id(c)) is not None]
     if shown:
-        pick = smallest(shown)
-        return Verdict(stage, pick, None, kind=BETTER, leader=leader, tied=tied,
-                       reasons=[f"{pick.label} beats {default.label}: {why[id(pick)]}"])
+        verdict.recommended = _simplest(shown, default, slos)
+        verdict.reasons = [f"{verdict.recommended.label} beats {default.label}: {why[id(verdict.recommended)]}"]
+        return verdict
     # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
-    pick = smallest(tied)
-    return Verdict(stage, pick, None, kind=SMALLEST_CHANGE, leader=leader, tied=tied,
-                   reasons=[f"{default.label} misses the SLOs on average, but no config is shown to beat it by a test; "
-                            f"{pick.label} is the smallest change among the {len(tied)} tied at the top"])
+    verdict.recommended, verdict.kind = _simplest(tied, default, slos), SMALLEST_CHANGE
+    verdict.reasons = [f"{default.label} misses the SLOs on average, but no config is shown to beat it by a test; "
+                       f"{verdict.recommended.label} is the smallest change among the {len(tied)} tied at the top"]
+    return verdict
+
+
+def _simplest(configs: list[Candidate], default: Candidate, slos: list[SLO]) -> Candidate:
+    """The config changing the fewest flags; among those, the simulator's best (its order is the same
+    on a rerun; the live means, within the tie, are noise)."""
+    def sim_rank(c):
+        return rank_key(c.sim, slos) if c.sim is not None and c.sim.ok else (2, 0.0, 0)
+    return min(configs, key=lambda c: (c.changes_from(default.params), sim_rank(c)))
 
 
 def _doubts(verdict: Verdict, default: Candidate) -> list[str]:

@@ -1,5 +1,17 @@
-"""Stage 2: the best stage-1 configs and the target's own default, each run several times on a
-live target, interleaved (A B C A B C ...) so that drift of the host hits every config alike.
+"""Stage 2, a race on the live target: the simulator's best distinct results against the default.
+
+The entrants: stage 1's ranking, best first, grouped into results (trials the simulator scores
+within SIM_TIE of each other are one result: running two of them spends the budget on one
+answer), each result entering in its simplest form (the trial that changes the fewest flags;
+`simpler_leaders` first tries each changed flag back at the default's value in the simulator),
+until `top_k` have entered; the default's own result is the default, and where places are left,
+the configs the simulator scores level with it enter, best ranked first (live can tell apart
+what the simulator cannot). Every round runs each config still in the race once, interleaved
+(A B C A B C ...) so that drift of the host hits every config alike. From round `repeats` on,
+after each round, the one ranking (`ranking.choose`) judges the runs: it stops the race once it
+can say "better", "infeasible", "failed" or "inconclusive" (more runs mend no doubt), and a
+config out of the leader's tie leaves it (it can no longer win); at `max_repeats` rounds, or at
+the budget, the race ends. A live test is the only judge; the simulator only orders.
 
 Every run is stored with what it scored, its SLO verdicts, the doubts about its own evidence
 and its diagnoses: the report and the UI read them, they never re-score or re-diagnose.
@@ -36,8 +48,6 @@ from .validity import measured_on, run_doubts
 DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
 NAMED_TWINS = 4  # a note names this many of the trials a live candidate stands for
 LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
-HEADROOM_KEPT = 0.9  # a simpler level config stands for the one with the most headroom if it keeps this share of its gain
-HEADROOM_NOISE = 0.05  # a headroom gain over the default below this (5 % of one SLO's threshold) is the sim's noise
 
 
 @dataclass
@@ -96,58 +106,35 @@ def same_result(a, b) -> bool:
 
 
 def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConfig], list[str]]:
-    """The live stage's configs: one for each of the top `top_k` results of stage 1's ranking
-    (completed trials, best first; trials of one result, `same_result`, are one), and the default.
-    A result the default itself stands for takes no place of the `top_k`: the live stage measures
-    the next one against it, and right after it comes the config the simulator scores level with
-    the default but runs furthest inside the SLOs (`headroom_lead`), before any result the sim
-    scores below the default.
-    Running two of one result live spends the budget on one answer, so the trial with the fewest
-    changes from the default stands for its result. Notes say which were left out."""
+    """The race's entrants (the module's docstring says which), the default first (it runs on the
+    checked server), and notes naming the trials an entrant stands for."""
     groups = _results(ranked)
-    with_default = _default_result(groups, dflt)
-    lead = headroom_lead(with_default, dflt)
-    lead_entry = [lead] if lead is not None else None  # its own entry: it may head the default's group too
-    after = groups.index(with_default) + 1 if with_default else len(groups)
+    level = next((g for g in groups if any(t.params == dflt for t in g)), [])
     picked, notes = [], []
-    for twins in groups[:after] + ([lead_entry] if lead_entry else []) + groups[after:]:
-        if sum(t.params != dflt for t in picked) == top_k:
+    for group in [g for g in groups if g is not level] + [[t] for t in level if t.params != dflt]:
+        if len(picked) == top_k:
             break
-        if twins is lead_entry:
-            picked.append(lead)
-            notes.append(_lead_note(lead, with_default, dflt))
-            continue
-        pick = min(twins, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
+        pick = min(group, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
         picked.append(pick)
-        others = [t for t in twins if t is not pick and t is not lead]
-        if others:
-            named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
-            more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
-            notes.append(f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them "
-                         f"within {SIM_TIE:.0%} of each other (one result at its precision), and it changes "
-                         "the fewest flags")
-    level = sorted((t for t in with_default if t.params != dflt and all(t is not p for p in picked)),
-                   key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
-    for trial in level[:top_k - sum(t.params != dflt for t in picked)]:
-        picked.append(trial)  # no other result is left: the live stage still checks the sim's tie
-        notes.append(f"trial {trial.number} runs live though the simulator scores it level with the default: "
-                     "no other result is there to measure against it")
-    candidates = [LiveConfig("default" if t.params == dflt else f"trial {t.number}", t.number, dict(t.params))
-                  for t in picked]
-    if all(c.label != "default" for c in candidates):
-        dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
-        candidates.append(LiveConfig("default", dnum, dflt))
-    candidates.sort(key=lambda c: c.label != "default")  # the default first: it runs on the checked server
+        if any(group[0] is t for t in level):
+            notes.append(f"trial {pick.number} runs live though the simulator scores it level with the default: "
+                         "the live stage tells apart what the simulator cannot")
+        elif len(group) > 1:
+            notes.append(_stands_for(pick, [t for t in group if t is not pick]))
+    stood_for = [t for t in level if t.params != dflt and all(t is not p for p in picked)]
+    if stood_for:
+        notes.append(_stands_for(next(t for t in level if t.params == dflt), stood_for))
+    dnum = next((t.number for t in ranked if t.params == dflt), DEFAULT_NUMBER)
+    candidates = [LiveConfig("default", dnum, dflt)]
+    candidates += [LiveConfig(f"trial {t.number}", t.number, dict(t.params)) for t in picked]
     return candidates, notes
 
 
-def _lead_note(lead, level: list, dflt: dict) -> str:
-    default = next(t for t in level if t.params == dflt)
-    return (f"trial {lead.number} runs live though the simulator scores it level with the default: of those "
-            f"level configs it ran furthest inside the SLOs, with the fewest changes (headroom "
-            f"{headroom(lead):.2f} against the default's {headroom(default):.2f}: the sum of each SLO's slack "
-            "over its threshold), and the simulator is optimistic at the pool's tipping point, so it is the "
-            "one most likely to beat the default live")
+def _stands_for(pick, others: list) -> str:
+    named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
+    more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
+    return (f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them within "
+            f"{SIM_TIE:.0%} of each other (one result at its precision), and it changes the fewest flags")
 
 
 def _results(ranked: list) -> list[list]:
@@ -162,79 +149,24 @@ def _results(ranked: list) -> list[list]:
     return groups
 
 
-def _default_result(groups: list[list], dflt: dict) -> list:
-    """The group of `_results` the default's trial is in; empty where stage 1 never ran the default."""
-    return next((g for g in groups if any(t.params == dflt for t in g)), [])
-
-
-def headroom(trial) -> float | None:
-    """How far inside its SLOs the simulator ran a trial: the sum over the SLOs of (threshold -
-    observed percentile) / threshold; None without SLOs. The sum, not the tightest SLO's slack:
-    the SLO that breaks first live, at the pool's tipping point (TTFT, as requests queue for KV),
-    need not be the tightest in the simulator."""
-    rooms = []
-    for name, violation in (trial.constraints or {}).items():
-        observed = trial.user_attrs.get(f"observed_{name}")
-        if observed is not None and observed - violation > 0:
-            rooms.append(-violation / (observed - violation))
-    return sum(rooms) if rooms else None
-
-
-def headroom_floor(level: list, dflt: dict) -> float | None:
-    """The headroom a config of `level` (the default's result group, its trial among them) must
-    keep to stand for the one the simulator ran furthest inside the SLOs: HEADROOM_KEPT of that
-    one's gain over the default's trial; None where either is unknown or the gain is within the
-    simulator's precision (HEADROOM_NOISE), and headroom decides nothing."""
-    default = next((t for t in level if t.params == dflt), None)
-    rooms = [r for r in (headroom(t) for t in level if t.params != dflt) if r is not None]
-    base = headroom(default) if default is not None else None
-    if not rooms or base is None or max(rooms) - base < HEADROOM_NOISE:
-        return None
-    return max(rooms) - (1 - HEADROOM_KEPT) * (max(rooms) - base)
-
-
-def headroom_lead(level: list, dflt: dict):
-    """Of trials the simulator scores level with the default (the default's trial among them), the
-    one the live stage runs first; None where headroom decides nothing. Where the sim scores
-    configs level with the default, what can still differ live is the pool's tipping point, the
-    simulator's blind spot: the config the sim ran furthest inside the SLOs (the most KV headroom)
-    is the one most likely to beat the default live. The simplest of those keeping HEADROOM_KEPT of
-    its gain stands for it."""
-    floor = headroom_floor(level, dflt)
-    if floor is None:
-        return None
-    return min((t for t in level if t.params != dflt and _or_lowest(headroom(t)) >= floor),
-               key=lambda t: changes(t.params, dflt))
-
-
-def _or_lowest(value: float | None) -> float:
-    return value if value is not None else float("-inf")
-
-
 def changes(params: dict, dflt: dict) -> int:
     """How many flags `params` changes from the default's."""
     return sum(params.get(k) != v for k, v in dflt.items())
 
 
 def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
-    """For each config stage 2 would run (`live_candidates`), try it with each changed knob put back
-    to the default's value, one at a time, in the simulator (one more stage-1 trial each); a knob
-    whose default gives the same result (`same_result` with the config it came from) stays at the
-    default. Random sampling almost never lands on the default's exact value of a knob that does
-    not matter, so without this a recommendation changes flags for nothing. A config the sim scores
-    level with the default is its headroom lead (`headroom_lead`): its knob goes back where the
-    simpler form keeps the headroom too, and where headroom decides nothing it is not simplified
-    (every knob would go back: the sim tells those configs apart in nothing). Notes say what was
+    """For each entrant of a result other than the default's (`live_candidates`), try it with each
+    changed knob put back to the default's value, one at a time, in the simulator (one more stage-1
+    trial each); a knob whose default gives the same result (`same_result` with the config it came
+    from) stays at the default. Random sampling almost never lands on the default's exact value of a
+    knob that does not matter, so without this a recommendation changes flags for nothing. (An
+    entrant level with the default is left as it is: every knob would go back.) Notes say what was
     dropped; the new trials join the study and its ranking."""
     notes = []
-    with_default = _default_result(_results(ranked), dflt)
-    for cand in live_candidates(ranked, top_k, dflt)[0]:
+    level = next((g for g in _results(ranked) if any(t.params == dflt for t in g)), [])
+    for cand in live_candidates(ranked, top_k, dflt)[0][1:]:
         leader = next((t for t in ranked if t.number == cand.number), None)
-        if leader is None or cand.label == "default" or len(leader.values) != 1:
-            continue
-        level = any(t is leader for t in with_default)
-        floor = headroom_floor(with_default, dflt) if level else None
-        if level and floor is None:
+        if leader is None or len(leader.values) != 1 or any(t is leader for t in level):
             continue
         params, dropped = dict(leader.params), []
         for name in [k for k in leader.params if k in dflt and leader.params[k] != dflt[k]]:
@@ -242,14 +174,12 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
             if not representable(stage1.space, trial_params):
                 continue
             trial = stage1.run_more(trial_params, leader.number)
-            if (trial is not None and same_result(trial, leader)
-                    and (floor is None or _or_lowest(headroom(trial)) >= floor)):
+            if trial is not None and same_result(trial, leader):
                 params, simpler = trial_params, trial
                 dropped.append(f"{name} {leader.params[name]}")
         if dropped:
-            keeps = " and keeps its headroom in the SLOs" if floor is not None else ""
             notes.append(f"trial {simpler.number} is trial {leader.number} without {', '.join(dropped)} (back at "
-                         f"the default's value): the simulator scores it the same within {SIM_TIE:.0%}{keeps}")
+                         f"the default's value): the simulator scores it the same within {SIM_TIE:.0%}")
     return notes
 
 
