@@ -56,7 +56,7 @@ def advice(out: dict, default: dict | None) -> str:
     """A verdict as advice: its kind and the flags it changes."""
     rec = out.get("recommended")
     if out["verdict"] in ("better", "smallest_change") and rec:
-        from kvtune.search.ranking import changed_flags
+        from kvtune.search.advice import changed_flags
 
         return f"set {changed_flags(rec, default)}"
     return out["verdict"]

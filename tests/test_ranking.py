@@ -11,9 +11,9 @@ import optuna
 import pytest
 
 from kvengine.config import EngineConfig, device_preset, model_preset
-from kvengine.executor.cost import CostCoefficients
 
 from kvtune.search import Objective, load_space, parse_slo
+from kvtune.search.advice import describe
 from kvtune.search.ranking import (
     BETTER,
     FAILED,
@@ -22,9 +22,8 @@ from kvtune.search.ranking import (
     SMALLEST_CHANGE,
     Measurement,
     choose,
-    describe,
-    interval,
 )
+from kvtune.search.stats import interval
 from kvtune.search.stage2 import (
     SIM_TIE,
     LiveConfig,
@@ -32,7 +31,6 @@ from kvtune.search.stage2 import (
     default_params,
     live_candidates,
     run_stage2,
-    same_result,
 )
 from kvtune.store import Store
 from kvtune.targets import SimTarget
@@ -366,7 +364,7 @@ def test_intervals_are_student_t_and_cover_the_mean_as_often_as_they_say():
 
 
 def test_holm_rejects_step_down_and_the_comparisons_share_one_error_budget():
-    from kvtune.search.ranking import holm
+    from kvtune.search.stats import holm
 
     assert holm({"a": 0.01, "b": 0.04, "c": 0.03}, 0.05) == {"a"}  # 0.03 > 0.05 / 2 stops the steps
     assert holm({"a": 0.01, "b": 0.02}, 0.05) == {"a", "b"}  # 0.01 < 0.025, then 0.02 < 0.05

@@ -21,7 +21,7 @@ from ..search.flow import SearchError, SearchRequest, run_search
 from ..search.objective import OBJECTIVES, Objective
 from ..search.slo import parse_slo
 from ..search.space import SearchSpace, load_space
-from ..search.ranking import describe
+from ..search.advice import describe
 from ..search.stage2 import LivePlan
 from ..search.study import SAMPLERS
 

@@ -12,7 +12,8 @@ from . import fmt
 from ..search.results import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
-from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, headline, where
+from ..search.advice import headline, where
+from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement
 from .words import (
     GLOSSARY,
     metric_label,

@@ -29,18 +29,15 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy import stats
-
-from kvengine.entrypoints.flags import flag_name
 
 from ..store import SUMMARY_FIGURES
 from .slo import SLO
+from .stats import Interval, holm, interval, welch
 
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
 TOP_SIM_CANDIDATES = 5  # configs compared when no stage 2 ran
 SIM_TIE = 0.02  # stage-1 values this close to the best are one result: the model is not that exact
 MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, however significant
-LEVEL = 0.95  # the intervals' confidence
 ALPHA = 0.05  # the chance of a false "better" a verdict allows, over all its comparisons and looks
 
 
@@ -56,61 +53,6 @@ SMALLEST_CHANGE = "smallest_change"  # the default misses the SLOs; several conf
 INCONCLUSIVE = "inconclusive"  # the evidence cannot be trusted (reasons say why)
 INFEASIBLE = "infeasible"  # nothing met the SLOs
 FAILED = "failed"  # nothing completed (on the stage that was to decide)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """A mean over repeats and its Student-t interval at LEVEL (lo == hi == mean for one value);
-    `sd` the runs' sample standard deviation (0 for one value)."""
-    mean: float
-    lo: float
-    hi: float
-    n: int
-    sd: float = 0.0
-
-    def overlaps(self, other: Interval) -> bool:
-        return self.lo <= other.hi and other.lo <= self.hi
-
-
-def interval(values: list[float]) -> Interval | None:
-    """The mean of the finite values and its two-sided Student-t interval at LEVEL: with 3-5 runs a
-    percentile bootstrap covers the mean far less often than it says (about 75 % for a '95 %' one
-    of 3 normal values)."""
-    xs = np.array([v for v in values if v is not None and math.isfinite(v)], dtype=float)
-    if xs.size == 0:
-        return None
-    mean = float(xs.mean())
-    if xs.size == 1:
-        return Interval(mean, mean, mean, 1)
-    sd = float(xs.std(ddof=1))
-    half = float(stats.t.ppf((1 + LEVEL) / 2, xs.size - 1)) * sd / math.sqrt(xs.size)
-    # every figure ranked (goodput, latencies) is >= 0: an interval reaching below 0 says only that
-    lo = max(mean - half, 0.0) if xs.min() >= 0 else mean - half
-    return Interval(mean, lo, mean + half, int(xs.size), sd)
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One test of `a` beating `b` on one figure: a's mean minus b's, its Welch interval at LEVEL,
-    and the one-sided p-value of `a` being better (higher for the objective, lower for an SLO)."""
-    diff: float
-    lo: float
-    hi: float
-    p: float
-
-
-def welch(a: Interval, b: Interval, higher_is_better: bool = True) -> Difference | None:
-    """Welch's t-test of a's mean against b's (unequal variances); None with fewer than 2 runs of either."""
-    if a.n < 2 or b.n < 2:
-        return None
-    va, vb = a.sd ** 2 / a.n, b.sd ** 2 / b.n
-    diff, se = a.mean - b.mean, math.sqrt(va + vb)
-    if se == 0:  # runs identical to the bit (a simulated executor): any difference is certain
-        return Difference(diff, diff, diff, 0.0 if (diff > 0) == higher_is_better and diff else 1.0)
-    df = (va + vb) ** 2 / (va ** 2 / (a.n - 1) + vb ** 2 / (b.n - 1))
-    t = diff / se if higher_is_better else -diff / se
-    half = float(stats.t.ppf((1 + LEVEL) / 2, df)) * se
-    return Difference(diff, diff - half, diff + half, float(stats.t.sf(t, df)))
 
 
 @dataclass
@@ -338,16 +280,6 @@ def separated(a: Candidate, b: Candidate, slos: list[SLO], alpha: float = ALPHA)
     return f"{test.why} (Welch t, one-sided p = {test.p:.2g})"
 
 
-def holm(tests: dict, alpha: float) -> set:
-    """The keys of `tests` ({key: p}) that Holm's step-down procedure rejects at family-wise `alpha`."""
-    rejected = set()
-    for i, (key, p) in enumerate(sorted(tests.items(), key=lambda kv: kv[1])):
-        if p >= alpha / (len(tests) - i):
-            break
-        rejected.add(key)
-    return rejected
-
-
 def meets_in(c: Candidate) -> tuple[int, int]:
     """(runs that met every SLO, runs completed) of a live config."""
     done = [m for m in c.runs if m.ok]
@@ -547,53 +479,3 @@ def _unique(candidates: list[Candidate]) -> list[Candidate]:
             seen.append(c.params)
             out.append(c)
     return out
-
-
-def changed_flags(params: dict, default: dict | None) -> str:
-    """The server flags that turn `default` into `params`, as an operator types them."""
-    out = []
-    for key, value in params.items():
-        if default is not None and default.get(key) == value:
-            continue
-        if isinstance(value, bool):
-            out.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
-        else:
-            out.append(f"{flag_name(key)} {value:g}" if isinstance(value, float) else f"{flag_name(key)} {value}")
-    return " ".join(out)
-
-
-def headline(verdict: Verdict) -> str:
-    """The verdict in one sentence (no reasons), naming the flags to set."""
-    place, rec = where(verdict), verdict.recommended
-    if verdict.kind in (BETTER, SMALLEST_CHANGE):
-        flags = changed_flags(rec.params, verdict.default_params)
-        return (f"Verdict ({place}): set `{flags}`, everything else as {verdict.reference} ({rec.label})." if flags
-                else f"Verdict ({place}): change to {rec.label}.")
-    if verdict.kind == KEEP_DEFAULT:
-        return f"Verdict ({place}): no significant difference: keep {verdict.reference}."
-    if verdict.kind == INCONCLUSIVE:
-        lead = f" ({verdict.leader.label} measured best)" if verdict.leader else ""
-        return f"Verdict ({place}): inconclusive{lead}: keep what you run."
-    if verdict.kind == INFEASIBLE:
-        closest = verdict.closest.label if verdict.closest else "none"
-        return f"Verdict ({place}): no config met every SLO; the closest is {closest}."
-    return f"Verdict: nothing could be measured ({place})."
-
-
-def describe(verdict: Verdict) -> str:
-    """The verdict and its reasons, as the terminal, the report and the UI print it."""
-    reasons = "; ".join(verdict.reasons)
-    if verdict.kind == INCONCLUSIVE:
-        reasons = f"These runs cannot carry a change of flags: {reasons}"
-    return headline(verdict) + (f" {reasons[0].upper()}{reasons[1:]}." if reasons else "")
-
-
-def where(verdict: Verdict) -> str:
-    if verdict.stage == "sim":
-        return "on the simulator only, not confirmed on a server"
-    head = verdict.recommended or verdict.leader or verdict.closest
-    m = head.live if head is not None else None
-    if m is None:
-        return "live stage"
-    runs = m.repeat
-    return f"measured on {m.measured_on or m.target}, {runs} run{'s' if runs != 1 else ''} of each config"

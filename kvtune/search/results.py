@@ -12,8 +12,8 @@ from kvengine.config import ConfigError, EngineConfig, device_preset, model_pres
 
 from ..report.fmt import on_gpus
 from ..results import RunResult
-from .slo import SLO, SLOError, score, study_slos_from_attrs
-from .stage2 import LIVE_LABEL, live_measurement
+from .slo import SLO, SLOError, study_slos_from_attrs
+from .live_runs import live_runs
 from .study import open_storage
 from .validity import measured_on
 from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
@@ -89,7 +89,7 @@ def load_report_data(db_url: str, name: str) -> ReportData:
         runs = {r.id: r for r in store.list_runs(limit=1_000_000, study=name)}
         info = study_info(study, runs)
         trials = [_stage1(t, info, runs) for t in study.get_trials(deepcopy=False)]
-        live = _stage2(store, name, info, runs, load)
+        live = live_runs(store, name, info.slos, runs.values(), load)
         verdict, candidates, default = choose(trials, live, info.slos, _default_params(info), info.live_looks,
                                               info.reference)
         data = ReportData(info, study, trials, live, candidates, default, verdict)
@@ -159,31 +159,6 @@ def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Mea
         goodput_rps=attrs.get("goodput_rps"), throughput_rps=attrs.get("throughput_rps"), observed=observed,
         summary={k: getattr(run, k) for k in SUMMARY_FIGURES} if run is not None else {},
         target=run.target if run is not None else None, measured_on=measured_on("sim", info.device, {}))
-
-
-def _stage2(store: Store, name: str, info: StudyInfo, runs: dict, load) -> list[Measurement]:
-    """Every live run of the study, as stage 2 scored it (a run stored before stage 2 kept its
-    scores is scored here, as stage 1 would)."""
-    trials = {row.number: row for row in store.list_trials(name, stage="live")}
-    params = {number: dict(row.params) for number, row in trials.items()}
-    out = []
-    for row in sorted(runs.values(), key=lambda r: r.id):
-        if not (row.label or "").startswith(LIVE_LABEL + " ") or row.trial_number not in params:
-            continue
-        number = row.trial_number
-        repeat = sum(m.number == number and m.ok for m in out) + 1  # an interrupted run is no repeat
-        result = load(row.id) if row.status == "ok" else None
-        if result is None:
-            out.append(Measurement("live", number, params[number], "FAIL", run_id=row.id,
-                                   reason=row.error or "the run did not complete", repeat=repeat))
-            continue
-        if "score" not in result.summary:
-            sc = score(result, info.slos)
-            result.summary["score"] = sc.as_dict() | {"values": trials[number].values or [sc.goodput_rps]}
-        m = live_measurement(number, params[number], row.id, result)
-        m.repeat = repeat
-        out.append(m)
-    return out
 
 
 def _default_params(info: StudyInfo) -> dict | None:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from kvengine.config import EngineConfig
 
 from ..diagnose.trial import Simulator, diagnosed
-from ..results import RunResult
 from ..stopping import failure_reason
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
+from .live_runs import LIVE_LABEL, live_measurement, live_runs
 from .objective import Objective
 from .ranking import (
     BETTER,
@@ -34,7 +34,6 @@ from .ranking import (
     INCONCLUSIVE,
     INFEASIBLE,
     SIM_TIE,
-    SUMMARY_MEANS,
     Measurement,
     choose,
     combine,
@@ -43,11 +42,10 @@ from .ranking import (
 from .slo import Score, diagnosis_thresholds
 from .space import SearchSpace
 from .study import is_feasible
-from .validity import measured_on, run_doubts
+from .validity import run_doubts
 
 DEFAULT_NUMBER = -1  # the trials table's number for the target's default config when stage 1 never ran it
 NAMED_TWINS = 4  # a note names this many of the trials a live candidate stands for
-LIVE_LABEL = "live"  # stage-2 runs are labelled "live <config> #<repeat>"
 
 
 @dataclass
@@ -208,7 +206,7 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
     dflt = next((c.params for c in candidates if c.label == "default"), None)
-    outcomes = _resumed(candidates, stored_live_runs(store, study))
+    outcomes = _resumed(candidates, [m for m in live_runs(store, study, objective.slos) if m.ok])
     done = {(id(o.candidate), o.repeat) for o in outcomes}
     active, spent = list(candidates), len(outcomes)
     for repeat in range(1, plan.max_repeats + 1):
@@ -234,16 +232,6 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
         still = {id(c) for c in active if c.params == dflt or any(t.params == c.params for t in verdict.tied)}
         active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
     return outcomes
-
-
-def stored_live_runs(store: Store, study: str) -> list[Measurement]:
-    """The completed live runs `study` holds (a resumed search's), oldest first."""
-    params = {row.number: dict(row.params) for row in store.list_trials(study, stage="live")}
-    out = []
-    for row in sorted(store.list_runs(limit=1_000_000, study=study, status="ok"), key=lambda r: r.id):
-        if (row.label or "").startswith(LIVE_LABEL + " ") and row.trial_number in params:
-            out.append(live_measurement(row.trial_number, params[row.trial_number], row.id, store.load_run(row.id)))
-    return out
 
 
 def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[LiveOutcome]:
@@ -285,18 +273,6 @@ def _run_once(run, cand: LiveConfig, repeat: int, config: EngineConfig, workload
     store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, simulator, objective.slos))
     outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
     return outcome
-
-
-def live_measurement(number: int, params: dict, run_id: int, result: RunResult) -> Measurement:
-    """One stored live run as the ranking reads it (what stage 2 scored, not scored again)."""
-    sc, summary = result.summary.get("score") or {}, result.summary
-    return Measurement(
-        stage="live", number=number, params=dict(params), state="COMPLETE", values=sc.get("values"),
-        constraints=dict(sc.get("violations") or {}), run_id=run_id, goodput_rps=sc.get("goodput_rps"),
-        throughput_rps=sc.get("throughput_rps"), observed=dict(sc.get("observed") or {}),
-        summary={k: summary.get(k) for k in SUMMARY_MEANS},
-        target=result.target, measured_on=measured_on(result.target, result.device, result.config),
-        repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []))
 
 
 def _save_config_row(store: Store, study: str, cand: LiveConfig, outcomes: list[LiveOutcome], objective) -> None:

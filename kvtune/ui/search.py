@@ -10,7 +10,8 @@ from kvtune.search.results import ReportData, ReportError
 from kvtune.report.launch import launch_commands, model_export
 from kvtune.targets.sim import engine_config
 from kvtune.report.sections import trial_note
-from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement, describe
+from kvtune.search.advice import describe
+from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement
 from kvtune.report.words import (
     metric_label,
     miss_text,
