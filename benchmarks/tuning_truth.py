@@ -28,7 +28,7 @@ and -0.64 in two runs).
 The grid: block_size x max_num_seqs x kv_cache_dtype, every config run
 --repeats times (default 3), interleaved (round r runs every config once, in an
 order rotated by r), each run scored by kvtune's own `Objective.evaluate` and
-each config summarised by `kvtune.search.ranking.interval` (mean + bootstrap
+each config summarised by `kvtune.search.stats.interval` (mean + Student-t
 interval). --quick: blocks 32,128 x seqs 8,32,128 x auto,fp8 = 12 configs x 3
 runs (it includes the target's default, block 128 / 128 seqs / auto, so the
 grid measures the default itself); the full mode adds block 16 on the engine
@@ -97,7 +97,7 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 
 from kvtune.plan import served_dtype, server_pool_of
 from kvtune.search import Objective, parse_slo
-from kvtune.search.ranking import interval
+from kvtune.search.stats import interval, welch
 from kvtune.search.validity import run_doubts
 from kvtune.targets import SimTarget
 from kvtune.targets.base import TargetRunError, TargetStartError
@@ -298,7 +298,8 @@ def load_grid(path: str, args) -> tuple[dict, float]:
     return cells, grid_s
 
 
-def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, grid_runs: int) -> tuple[dict | None, str]:
+def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, grid_runs: int,
+               study: str = "truth") -> tuple[dict | None, str]:
     blocks, seqs, dtypes = args.grid
     budget = args.live_budget or grid_runs // 4
     top_k = args.top_k or max(1, budget // 3 - 1)
@@ -307,7 +308,7 @@ def run_search(args, trace: Path, workdir: Path, ckpt: str | None, pool: int, gr
            "--top-k", str(top_k), "--repeats", "3", "--live-budget", str(budget), "--trials", str(args.trials),
            "--space", f"block_size={','.join(map(str, blocks))}", "--space", f"max_num_seqs={','.join(map(str, seqs))}",
            "--space", f"kv_cache_dtype={','.join(dtypes)}",
-           "--db", f"sqlite:///{workdir / 'search.db'}", "--study", "truth", "--no-report", "--json",
+           "--db", f"sqlite:///{workdir / 'search.db'}", "--study", study, "--no-report", "--json",
            "--server-log-dir", str(workdir / "search-logs")]
     for slo in args.slo:
         cmd += ["--slo", slo]
@@ -357,6 +358,47 @@ def kendall(xs: list[float], ys: list[float]) -> float | None:
     return None if tau is None or not math.isfinite(tau) else float(tau)
 
 
+def judge_search(res: dict, ivs: dict, best, grid_runs: int, grid_beats: bool) -> dict:
+    """One search's verdict against the grid: right or not, its pick's grid mean over the best's, and
+    its advice (the verdict and the flags it recommends)."""
+    verdict, rec = res.get("verdict"), res.get("recommended")
+    out = {"verdict": verdict, "recommended": rec, "leader": res.get("leader"), "live_runs_used": res.get("live_runs"),
+           "search_reasons": res.get("reasons"), "recommended_over_best": None, "tied_with_best": None,
+           "advice": f"{verdict}: {label(rec)}" if rec else verdict}
+    pick = rec or res.get("leader")
+    piv = ivs.get(key(pick)) if pick and all(k in pick for k in KNOBS) else None
+    if piv is not None:
+        out["recommended_over_best"] = round(piv.mean / best.mean, 3) if best.mean > 0 else None
+        out["tied_with_best"] = piv.overlaps(best)
+    out["recommended_is_leader"] = rec is None and pick is not None
+    right = ({"better", "smallest_change"} if grid_beats else {"keep_default", "inconclusive"})
+    out["verdict_right"] = verdict in right
+    print(f"\nverdict {verdict}; recommended {label(rec) if rec else None}"
+          + (f" (leader {label(pick)})" if rec is None and pick else ""))
+    if piv is not None:
+        print(f"{'recommended' if rec else 'leader (nothing recommended)'}/best: {piv.mean:.2f} / "
+              f"{best.mean:.2f} = {out['recommended_over_best']} "
+              f"(goal >= 0.95, or tied: {'tied' if out['tied_with_best'] else 'not tied'} within the spread)")
+    print(f"verdict right: {out['verdict_right']} (the grid says {'beat' if grid_beats else 'keep'} the "
+          f"default; right is {' or '.join(sorted(right))})")
+    print(f"live runs: search {out['live_runs_used']} vs grid {grid_runs} "
+          f"({(out['live_runs_used'] or 0) / grid_runs:.0%})")
+    return out
+
+
+def search_shares(searches: list[dict], asked: int) -> dict:
+    """Over the searches asked for (one that printed nothing counts as missing every goal): the share
+    whose verdict was right, whose pick met the recommended/best goal, and that gave the most common advice."""
+    if not asked:
+        return {}
+    advice = Counter(s["advice"] for s in searches)
+    goal = [s for s in searches if (s["recommended_over_best"] or 0) >= 0.95 or s["tied_with_best"]]
+    return {"share_verdict_right": round(sum(s["verdict_right"] for s in searches) / asked, 3),
+            "share_recommended_goal": round(len(goal) / asked, 3),
+            "share_same_advice": round(advice.most_common(1)[0][1] / asked, 3) if searches else 0.0,
+            "advice": dict(advice)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", choices=("engine", "vllm"), default="engine")
@@ -377,6 +419,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", help="override the grid's kv_cache_dtype values, e.g. auto,fp8")
     ap.add_argument("--live-budget", type=int, default=None, help="default: a quarter of the grid's runs")
     ap.add_argument("--no-search", action="store_true", help="the grid and the simulator only")
+    ap.add_argument("--searches", type=int, default=1,
+                    help="run the search this many times against the one grid (fresh studies): the share of "
+                         "them right, meeting the recommended/best goal and giving the same advice")
     ap.add_argument("--grid", dest="grid_file", metavar="FILE",
                     help="a grid.json an earlier run saved (same inputs): rank it again, measure no grid")
     ap.add_argument("--calibrate", action="store_true",
@@ -388,6 +433,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.profile and not args.profile_db:
         ap.error("--profile needs --profile-db (the sqlite file kvtune calibrate --db wrote it to)")
+    if args.searches < 1:
+        ap.error(f"--searches must be at least 1, got {args.searches}")
     if args.pool_bytes is not None and args.pool_bytes <= 0:
         ap.error(f"--pool-bytes must be a positive number of bytes, got {args.pool_bytes}")
     args.mode = "quick" if args.quick else "full"
@@ -480,10 +527,13 @@ def main(argv=None) -> int:
     if doubts:
         print(f"doubts kvtune raises on the grid's runs ({sum(doubts.values())} in {grid_runs} runs): "
               + "; ".join(f"{n}x {d}" for d, n in doubts.most_common(3)))
-    grid_beats = dflt is None or (best_key != dkey and best.lo > dflt.hi)
-    print(f"grid: the best {'beats' if grid_beats else 'does not beat'} the default beyond the spread "
+    # the grid's own test is the verdict's: Welch, one-sided, at 5 %
+    test = welch(best, dflt) if dflt is not None and best_key != dkey else None
+    grid_beats = dflt is None or (test is not None and test.p < 0.05)
+    print(f"grid: the best {'beats' if grid_beats else 'does not beat'} the default by Welch's t-test at 5 % "
           f"(best {best.mean:.2f} [{best.lo:.2f}, {best.hi:.2f}], default "
-          + (f"{dflt.mean:.2f} [{dflt.lo:.2f}, {dflt.hi:.2f}])" if dflt else "no run completed)"))
+          + (f"{dflt.mean:.2f} [{dflt.lo:.2f}, {dflt.hi:.2f}]" if dflt else "no run completed")
+          + (f"; one-sided p = {test.p:.2g})" if test else ")"))
 
     keys = [k for k in measured]
     tau = kendall([sims[k][0] for k in keys], [measured[k].mean for k in keys])
@@ -505,36 +555,25 @@ def main(argv=None) -> int:
                      "feasible_runs": sum(grid[k]["feasible"]), "doubts": len(grid[k]["doubts"])}
                     for k, iv in ivs.items()]}
     if not args.no_search:
-        t1 = time.perf_counter()
-        res, text = run_search(args, trace, workdir, ckpt, args.pool_bytes, grid_runs)
-        out["search_s"] = round(time.perf_counter() - t1, 1)
-        print(f"\nkvtune search ({out['search_s']:.0f} s), its output:")
-        print("\n".join("  " + ln for ln in text.splitlines() if ln.strip() and not ln.startswith("{")))
-        if res is None:
-            print("error: kvtune search printed no JSON line", file=sys.stderr)
-        else:
-            verdict, rec = res.get("verdict"), res.get("recommended")
-            out.update(verdict=verdict, recommended=rec, leader=res.get("leader"), live_runs_used=res.get("live_runs"),
-                       search_reasons=res.get("reasons"), search_top_k=args.search_top_k,
-                       search_live_budget=args.search_budget)
-            pick = rec or res.get("leader")
-            piv = ivs.get(key(pick)) if pick and all(k in pick for k in KNOBS) else None
-            if piv is not None:
-                out["recommended_over_best"] = round(piv.mean / best.mean, 3) if best.mean > 0 else None
-                out["tied_with_best"] = piv.overlaps(best)
-            out["recommended_is_leader"] = rec is None and pick is not None
-            right = ({"better", "smallest_change"} if grid_beats else {"keep_default", "inconclusive"})
-            out["verdict_right"] = verdict in right
-            print(f"\nverdict {verdict}; recommended {label(rec) if rec else None}"
-                  + (f" (leader {label(pick)})" if rec is None and pick else ""))
-            if piv is not None:
-                print(f"{'recommended' if rec else 'leader (nothing recommended)'}/best: {piv.mean:.2f} / "
-                      f"{best.mean:.2f} = {out['recommended_over_best']} "
-                      f"(goal >= 0.95, or tied: {'tied' if out['tied_with_best'] else 'not tied'} within the spread)")
-            print(f"verdict right: {out['verdict_right']} (the grid says {'beat' if grid_beats else 'keep'} the "
-                  f"default; right is {' or '.join(sorted(right))})")
-            print(f"live runs: search {out['live_runs_used']} vs grid {grid_runs} "
-                  f"({(out['live_runs_used'] or 0) / grid_runs:.0%})")
+        searches = []
+        for i in range(args.searches):
+            t1 = time.perf_counter()
+            res, text = run_search(args, trace, workdir, ckpt, args.pool_bytes, grid_runs, f"truth-{i + 1}")
+            print(f"\nkvtune search {i + 1} of {args.searches} ({time.perf_counter() - t1:.0f} s), its output:")
+            print("\n".join("  " + ln for ln in text.splitlines() if ln.strip() and not ln.startswith("{")))
+            if res is None:
+                print("error: kvtune search printed no JSON line", file=sys.stderr)
+                continue
+            searches.append(judge_search(res, ivs, best, grid_runs, grid_beats) | {
+                "search_s": round(time.perf_counter() - t1, 1), "search_top_k": args.search_top_k,
+                "search_live_budget": args.search_budget})
+        out.update(searches[0] if searches else {})
+        out["searches"] = searches
+        out.update(search_shares(searches, args.searches))
+        if args.searches > 1:
+            print(f"\nover {args.searches} searches: verdict right {out['share_verdict_right']}, recommended/best "
+                  f"goal met {out['share_recommended_goal']}, the same advice {out['share_same_advice']} "
+                  f"(goal >= 0.9): {out['advice']}")
     out["total_s"] = round(time.perf_counter() - t_start, 1)
     if args.json:
         print(json.dumps(out))

@@ -6,7 +6,7 @@ import json
 import pytest
 from benchscript import load_benchmark
 
-from kvtune.search.ranking import Interval
+from kvtune.search.stats import Interval
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,14 @@ def test_a_grid_file_that_is_missing_or_not_a_grid_is_named(bench, tmp_path):
         with pytest.raises(SystemExit) as err:
             bench.load_grid(str(tmp_path / "bad.json"), _args())
         assert "is not a grid.json that tuning_truth saved" in str(err.value)
+
+
+def test_repeated_searches_are_scored_by_their_shares(bench):
+    """Three searches against one grid: the shares count a search that printed nothing as missing."""
+    def search(verdict, over, tied, block):
+        return {"verdict": verdict, "verdict_right": verdict == "better", "recommended_over_best": over,
+                "tied_with_best": tied, "advice": f"{verdict}: block {block}"}
+    shares = bench.search_shares([search("better", 0.97, False, 32), search("better", 0.9, True, 32),
+                                  search("keep_default", None, None, 0)], 4)
+    assert shares["share_verdict_right"] == 0.5 and shares["share_recommended_goal"] == 0.5
+    assert shares["share_same_advice"] == 0.5 and shares["advice"] == {"better: block 32": 2, "keep_default: block 0": 1}
