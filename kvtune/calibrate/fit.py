@@ -32,7 +32,7 @@ from kvengine.executor.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
 from kvengine.executor.abstract import SimExecutor
 from kvengine.core.request import SamplingParams
 
-from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun
+from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun, merge_repeated
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
@@ -119,7 +119,9 @@ def step_shapes(runs: list[ProbeRun], model: ModelSpec, device: DeviceSpec,
                 config: EngineConfig, kernel: CostCoefficients | None = None) -> tuple[np.ndarray, list[Observation]]:
     """Replay each probe's first trial through the engine core: the table of distinct
     step shapes (cost.step_shape, its attention pairs counted as `kernel`'s
-    attention_key_block and context_chunk_all_keys say) and one Observation per timing."""
+    attention_key_block and context_chunk_all_keys say) and one Observation per timing, a
+    probe's repeated runs (the drift checks) as one."""
+    runs = merge_repeated(runs)
     table: dict[tuple, int] = {}
     observations = []
     cfg = sim_config(config, model, runs)
@@ -349,10 +351,22 @@ def _kind_order(kind: str) -> int:
     return PROBE_KINDS.index(kind) if kind in PROBE_KINDS else len(PROBE_KINDS)
 
 
+@dataclass
+class QuantizedProbes:
+    """The step shapes and timings of the same server started with a quantized KV cache
+    (`calibrate --quantized-kv`), as step_shapes gives them: fit_coefficients weighs its splits
+    by how well these fit too, with their dequantization terms (fit_dequant)."""
+
+    shapes: np.ndarray
+    observations: list[Observation]
+    kv_cache_dtype: str
+    block_size: int
+
+
 def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model: ModelSpec, device: DeviceSpec,
                      kv_cache_dtype: str, block_size: int, base: CostCoefficients | None = None,
                      fit_client_overhead: bool = True, loss: str = "soft_l1", noise_floor: float = 0.01,
-                     split_gain: float = 0.85) -> FitResult:
+                     split_gain: float = 0.85, quantized: QuantizedProbes | None = None) -> FitResult:
     """Least squares (scipy.optimize.least_squares, log-parameters, a few starts) of the
     relative errors of the predicted timings; `base` supplies the fixed coefficients
     (block_overhead_tokens, and the attention kernel's pair counting, which must be the one
@@ -372,7 +386,15 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     split fit keeps the weights' bandwidth of the fit it starts from), the decodes'
     attention share (decode_attention_efficiency: a paged decode kernel beside a
     flash-attention prefill) and that of chunks after earlier context
-    (context_attention_efficiency: gathered context and an explicit mask)."""
+    (context_attention_efficiency: gathered context and an explicit mask).
+
+    With `quantized`, a split is chosen on the cost of those timings as well (each candidate's
+    coefficients held, its dequantization terms fitted to them), though fitted on `observations`
+    alone. On the server's own dtype a slow K/V read and a slow decode kernel are the same
+    term (both grow with each decode's context), so noise picked between them; a quantized
+    cache reads fewer bytes through the same kernel and tells them apart. Chosen on the
+    server's own dtype alone, the decode-kernel split priced a faster fp8 cache as slow as the
+    unquantized one, which no dequantization term (>= 0) undoes, and the fp8 pass was refused."""
     from scipy.optimize import least_squares  # here: only calibration pays scipy's import
 
     base = base or CostCoefficients()
@@ -456,15 +478,18 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         if shows.any():
             left[name], judged[name] = split_attention(name), shows
     costs = {"shared_cost": float(shared[0].cost)}
+    extra = _QuantizedCost(quantized, model, device, loss, noise_floor)
+    counted = {name: judged[name].sum() + extra.judged(name).sum() for name in left}
     while left:
         tried = {name: first.pop(name, None) or split(*fit) for name, split in left.items()}
         for name, candidate in tried.items():
             costs.setdefault(f"{name}_split_cost", float(candidate[2][0].cost))  # each from the shared fit
-        before = {name: _cost(fit[2][0], judged[name], loss) for name in tried}
-        after = {name: _cost(candidate[2][0], judged[name], loss) for name, candidate in tried.items()}
+        before = {name: _cost(fit[2][0], judged[name], loss) + extra(fit[2], name) for name in tried}
+        after = {name: _cost(candidate[2][0], judged[name], loss) + extra(candidate[2], name)
+                 for name, candidate in tried.items()}
         # Not for a misfit under SPLIT_MIN_RMS (a relative error) where it prices: nothing to split.
         worth = [name for name in tried if after[name] < split_gain * before[name]
-                 and before[name] - after[name] > 0.5 * judged[name].sum() * SPLIT_MIN_RMS ** 2]
+                 and before[name] - after[name] > 0.5 * counted[name] * SPLIT_MIN_RMS ** 2]
         if not worth:
             break
         name = min(worth, key=lambda n: after[n] / before[n])
@@ -476,6 +501,8 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         o.predicted_s = float(p)
     roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
     initial = residual_summary(obs, predict(obs, roofline, 0.0))
+    if quantized is not None:
+        costs["quantized_cost"] = extra(fit[2])
     return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
                      initial, costs, dropped)
 
@@ -547,9 +574,46 @@ def _weighed(obs: list[Observation], noise_floor: float) -> tuple[np.ndarray, np
     return measured, np.maximum(np.array([o.se_s for o in obs]) / measured, noise_floor) / noise_floor
 
 
+class _QuantizedCost:
+    """fit_coefficients' cost of the quantized server's timings under a candidate fit: its
+    dequantization terms fitted (fit_dequant) with the candidate's coefficients held, then the
+    robust cost of the relative residuals (weighed as the fit weighs its own) of the timings
+    whose steps a split prices, as for the server's own timings. 0 without such timings."""
+
+    def __init__(self, quantized: QuantizedProbes | None, model, device, loss: str, noise_floor: float):
+        self.quantized, self.model, self.device = quantized, model, device
+        self.loss, self.noise_floor = loss, noise_floor
+        self.masks = {}
+        if quantized is not None:
+            obs, _ = _usable(quantized.observations)
+            self.masks[KV] = np.ones(len(obs), dtype=bool)
+            for name, pairs in ((DECODE_ATTN, "decode_token_pairs"), (CONTEXT_ATTN, "context_chunk_pairs")):
+                column = STEP_SHAPE_FIELDS.index(pairs)
+                self.masks[name] = np.array([quantized.shapes[o.steps, column].any() for o in obs], dtype=bool)
+
+    def judged(self, name: str) -> np.ndarray:
+        return self.masks.get(name, np.zeros(0, dtype=bool))
+
+    def __call__(self, fitted: tuple, name: str | None = None) -> float:
+        """`fitted`: a solve's (solution, coefficients, client overhead, busy client overhead)."""
+        if self.quantized is None:
+            return 0.0
+        q = self.quantized
+        fit = fit_dequant(q.shapes, q.observations, self.model, self.device, q.kv_cache_dtype, q.block_size,
+                          fitted[1], fitted[2], fitted[3], self.noise_floor)
+        measured, scale = _weighed(fit.observations, self.noise_floor)
+        residuals = (np.array([o.predicted_s for o in fit.observations]) / measured - 1.0) / scale
+        return _robust_cost(residuals if name is None else residuals[self.masks[name]], self.loss)
+
+
 def _cost(sol, part: np.ndarray, loss: str) -> float:
-    """least_squares' cost (0.5 * sum of F_SCALE^2 * loss(r^2 / F_SCALE^2)) over a part of the residuals."""
-    z = (sol.fun[part] / F_SCALE) ** 2
+    """least_squares' cost over a part of the residuals."""
+    return _robust_cost(sol.fun[part], loss)
+
+
+def _robust_cost(residuals: np.ndarray, loss: str) -> float:
+    """least_squares' cost of these residuals: 0.5 * sum of F_SCALE^2 * loss(r^2 / F_SCALE^2)."""
+    z = (np.asarray(residuals) / F_SCALE) ** 2
     rho = {"linear": z, "soft_l1": 2.0 * (np.sqrt(1.0 + z) - 1.0), "cauchy": np.log1p(z),
            "huber": np.where(z <= 1.0, z, 2.0 * np.sqrt(z) - 1.0), "arctan": np.arctan(z)}[loss]
     return float(0.5 * F_SCALE ** 2 * rho.sum())

@@ -31,9 +31,11 @@ steps without the client overhead, which tells an engine's per-prefill cost apar
 from the HTTP path's (in a TTFT alone they only ever add up).
 
 The plan starts and ends with the same decode probe (B=4, or the largest batch
-allowed below that): both are fitted, and the second against the first
-(`speed_drift`) says how much the server's speed moved while it was probed, which
-a fit cannot tell from the cost model's own misfit.
+allowed below that), DRIFT_CHECKS times at each end, between the first and the last
+few other probes: the median of the closing ones against that of the opening ones
+(`speed_drift`) says how much the server's speed moved while it was probed, which a
+fit cannot tell from the cost model's own misfit. All of them are fitted, as one
+probe (`merge_repeated`).
 
 Every prompt is fresh random token ids (except the shared prefixes), drawn
 anew each run, so no probe hits another's cached blocks, nor those an earlier
@@ -66,6 +68,12 @@ DECODE_REPEATS = 3  # trials of each decode probe
 LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
 LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
 PROBE_KINDS = ("overhead", "prefill", "decode", "context", "prefix", "loaded")
+# The drift check's runs at each end of the plan. One run a side read the same quiet server
+# anywhere from -32% to +31% apart: a hiccup of a shared machine (another process's burst, a
+# GC pause) lands in one run and moves its whole median. Three runs a side, apart in time (a
+# probe between each), are moved only by what lasts over two of them, so the medians' ratio
+# is the server's speed, not one run's luck; it costs four more short decode probes.
+DRIFT_CHECKS = 3
 # Stream lines read within this of the chunk before are one delivery, timed as that chunk: a
 # server that falls behind (vLLM's frontend on a busy CPU) writes what it held in one burst,
 # whose lines the client reads 20-100 us apart; no engine step is that short.
@@ -195,7 +203,7 @@ def _geometric(lo: int, hi: int, n: int) -> list[int]:
 
 def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | None = None,
                   pool_tokens: int | None = None, batch_tokens: int = 2048, quick: bool = False,
-                  block_size: int = 1) -> ProbePlan:
+                  block_size: int = 1, kinds: tuple[str, ...] | None = None) -> ProbePlan:
     """The probe set for a server with this context limit.
 
     max_batch    the largest decode batch (keep it <= the server's max_num_seqs).
@@ -206,6 +214,7 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     batch_tokens the server's token budget per step (max_num_batched_tokens): a long-context
                  batch decodes long enough to outlast its chunked prefills.
     quick        fewer lengths, batch sizes and repeats (a smoke run).
+    kinds        only the probes of these PROBE_KINDS (the drift checks are decodes).
     """
     longest = max(64, min(max_prompt or max_model_len, max_model_len - 64))
     repeats = 3 if quick else 5
@@ -234,7 +243,6 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     check = min(4, max_batch, batches[-1])
     drift_check = Probe("decode", f"decode B={check} (drift check)", decode_len, decode_tokens, (ITL,),
                         batch=check, repeats=DECODE_REPEATS)
-    probes.insert(0, drift_check)
     contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
     for length in contexts:
         for b in (1, 4, 16):
@@ -266,9 +274,10 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
             probes.append(Probe("loaded", f"loaded prefix B={b} P={prefix} S={suffix}", prefix + suffix, 1,
                                 (TTFT, ITL), prefix_len=prefix, warm_suffix=16, repeats=LOADED_ARRIVALS,
                                 background=b, background_len=bg_len))
-    probes.append(drift_check)
+    if kinds is not None:
+        probes = [p for p in probes if p.kind in kinds]
     plan, loaded = [], []
-    for probe in probes:
+    for probe in _with_drift_checks(probes, drift_check):
         probe = _fit_pool(probe, room, block_size)
         if probe is None or probe in loaded:  # a halved background may repeat another probe
             continue
@@ -310,15 +319,48 @@ def _fit_pool(probe: Probe, room: float, block_size: int = 1) -> Probe | None:
     return probe
 
 
+def _with_drift_checks(probes: list[Probe], check: Probe, n: int = DRIFT_CHECKS) -> list[Probe]:
+    """`probes` with `check` n times before, between and after the first n - 1 of them, and
+    n times so around the last n - 1: each end's checks apart in time (see DRIFT_CHECKS)."""
+    k = min(n - 1, len(probes) // 2)
+    head, middle, tail = probes[:k], probes[k:len(probes) - k], probes[len(probes) - k:]
+    opening = [p for probe in head for p in (check, probe)] + [check]
+    closing = [check] + [p for probe in tail for p in (probe, check)]
+    return opening + middle + closing
+
+
 def speed_drift(runs: list[ProbeRun]) -> dict | None:
-    """The plan's closing probe against its opening one, where they are the same
-    (design_probes' drift check): their ITLs and the relative change."""
+    """The plan's closing drift checks against its opening ones, where the plan opens and closes
+    with the same probe (design_probes' drift check): the median ITL of each end's runs of it
+    (the first and the last half of them) and the relative change; `runs` says how many a side."""
     if len(runs) < 2 or runs[0].probe != runs[-1].probe or ITL not in runs[0].probe.measures:
         return None
-    first, last = runs[0].measured(ITL), runs[-1].measured(ITL)
-    if not (math.isfinite(first) and math.isfinite(last) and first > 0):  # a probe without a timing
+    itls = [run.measured(ITL) for run in runs if run.probe == runs[0].probe]
+    half = len(itls) // 2
+    first, last = _finite_median(itls[:half]), _finite_median(itls[len(itls) - half:])
+    if not (math.isfinite(first) and math.isfinite(last) and first > 0):  # checks without a timing
         return None
-    return {"probe": runs[0].probe.label, "first_s": first, "last_s": last, "change": last / first - 1.0}
+    return {"probe": runs[0].probe.label, "first_s": first, "last_s": last, "change": last / first - 1.0,
+            "runs": half}
+
+
+def _finite_median(values: list[float]) -> float:
+    """The median of the finite values; nan unless they are most of them."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.median(finite)) if 2 * len(finite) > len(values) else float("nan")
+
+
+def merge_repeated(runs: list[ProbeRun]) -> list[ProbeRun]:
+    """The runs with each probe's repeats (the drift checks) as one run of all their trials, where
+    its first run was: the fit weighs the drift check as one decode probe, timed by the median of
+    all its trials."""
+    merged: dict[Probe, ProbeRun] = {}
+    for run in runs:
+        if run.probe in merged:
+            merged[run.probe].trials.extend(run.trials)
+        else:
+            merged[run.probe] = ProbeRun(run.probe, list(run.trials))
+    return list(merged.values())
 
 
 def probe_prompts(probe: Probe, rng: np.random.Generator) -> tuple[list[int] | None, list[list[int]]]:

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
-from kvengine.config import EngineConfig, ModelSpec, device_preset, model_preset
+from kvengine.config import DeviceSpec, EngineConfig, ModelSpec, device_preset, model_preset
 from kvengine.executor.cost import TIED_TO, CostCoefficients, torch_attention_kernel
 
 from ..plan import ServerPool, served_dtype
 from .fit import (
     RMS_LIMIT,
     FitRefusedError,
+    QuantizedProbes,
     bound_side,
     degenerate_reasons,
     fit_coefficients,
@@ -25,7 +27,7 @@ from .fit import (
 from .probes import (
     CalibrationError,
     ProbeOptions,
-    ProbePlan,
+    ProbeRun,
     ServerInfo,
     design_probes,
     run_probes,
@@ -35,21 +37,44 @@ from .probes import (
 from .profile import CalibrationProfile
 
 DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning
+QUANTIZED_KINDS = ("decode", "context")  # the probes whose steps read the K/V cache
+
+
+@dataclass
+class Probed:
+    """One server's probe runs, and what they were designed with: the model and device presets
+    (the model in the dtype the server serves it in), what the server said of itself, its config
+    as that corrects it, what the plan could not cover, and the wall time the probes took."""
+
+    url: str
+    model: ModelSpec
+    device_spec: DeviceSpec
+    info: ServerInfo
+    server_config: EngineConfig
+    notes: list[str]
+    runs: list[ProbeRun]
+    wall_s: float
 
 
 def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
                      cost_profile: str | None = None, quantized_kv: str | None = None,
                      **kwargs) -> CalibrationProfile:
-    """Start the target's server with `config` (as a trial would), calibrate against it, stop it.
-    `quantized_kv` (fp8, int8, ...): then start it again with that KV cache dtype, and fit the
-    dequantization its reads add (`calibrate_quantized`)."""
+    """Start the target's server with `config` (as a trial would), probe it, stop it, and fit.
+    `quantized_kv` (fp8, int8, ...): before the fit, start it again with that KV cache dtype and
+    probe its decodes and long contexts; the fit chooses its splits on both servers' timings
+    (fit_coefficients' `quantized`), then fits the dequantization its reads add to the second's."""
+    executor = getattr(server_target, "executor", None)
+    base = kwargs.pop("base", None) or _default_base(executor, device)
+    probe_args = {k: kwargs[k] for k in ("quick", "max_batch", "max_prompt", "options", "progress") if k in kwargs}
     with _started(server_target, config, cost_profile) as server:
-        profile = calibrate_url(server.url, preset, device, config, name, target=server_target.name,
-                                executor=getattr(server_target, "executor", None), check_alive=server.check_alive,
-                                **kwargs)
+        probed = probe_server(server.url, preset, device, config, check_alive=server.check_alive, **probe_args)
+    quantized = drift = None
     if quantized_kv and quantized_kv != "auto":
-        profile = calibrate_quantized(server_target, config, profile, quantized_kv, cost_profile, **kwargs)
-    return profile
+        quantized, drift = _probe_quantized(server_target, config, probed.model, probed.device_spec, quantized_kv,
+                                            base, cost_profile, **probe_args)
+    profile = fit_profile(probed, name, preset, device, base, target=server_target.name, executor=executor,
+                          quick=kwargs.get("quick", False), quantized=quantized)
+    return profile if quantized is None else add_dequant(profile, quantized, drift)
 
 
 def _started(server_target, config: EngineConfig, cost_profile: str | None):
@@ -59,6 +84,12 @@ def _started(server_target, config: EngineConfig, cost_profile: str | None):
     return server
 
 
+def _default_base(executor: str | None, device: str) -> CostCoefficients:
+    """The coefficients a fit leaves alone and starts from: the cost model's, with the torch
+    executor's attention pair counting where the server is kvengine's torch executor."""
+    return CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
+
+
 def calibrate_quantized(server_target, config: EngineConfig, profile: CalibrationProfile, kv_cache_dtype: str,
                         cost_profile: str | None = None, quick: bool = False, max_batch: int = 64,
                         max_prompt: int | None = None, options: ProbeOptions | None = None,
@@ -66,8 +97,22 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
     """`profile` with kv_cache_dtype's dequantization cost (fit.DEQUANT's two terms), fitted to the
     decode and long-context probes of the target's server started again with that KV cache dtype;
     the rest of the profile's coefficients hold. A quantized cache changes what a step reads, not
-    how the server schedules, so these probes time the terms the main fit could not see."""
+    how the server schedules, so these probes time the terms the main fit could not see.
+    (calibrate_target with `quantized_kv` also lets these probes choose the main fit's splits.)"""
     model, device_spec = profile.specs()
+    quantized, drift = _probe_quantized(server_target, config, model, device_spec, kv_cache_dtype,
+                                        profile.coefficients, cost_profile, quick, max_batch, max_prompt, options,
+                                        progress)
+    return add_dequant(profile, quantized, drift)
+
+
+def _probe_quantized(server_target, config: EngineConfig, model: ModelSpec, device_spec: DeviceSpec,
+                     kv_cache_dtype: str, kernel: CostCoefficients, cost_profile: str | None = None,
+                     quick: bool = False, max_batch: int = 64, max_prompt: int | None = None,
+                     options: ProbeOptions | None = None, progress=None) -> tuple[QuantizedProbes, dict]:
+    """The decode and long-context probes of the target's server started with `kv_cache_dtype`, as
+    step shapes and timings (their pairs counted as `kernel` says; each probe class named with the
+    dtype), and its speed's drift while probed (speed_drift; {} without one)."""
     config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
     if progress:
         progress(f"the same server with --kv-cache-dtype {kv_cache_dtype}: its dequantization cost")
@@ -77,25 +122,34 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
             raise CalibrationError(f"{server.url} reports kv_cache_dtype {info.kv_cache_dtype!r}, not the "
                                    f"{kv_cache_dtype!r} it was started with")
         server_config, _, runs, _ = _probe(server.url, info, config, model, device_spec, quick, max_batch, max_prompt,
-                                        options, server.check_alive, progress, kinds=("decode", "context"))
-    shapes, observations = step_shapes(runs, model, device_spec, server_config, profile.coefficients)
+                                           options, server.check_alive, progress, kinds=QUANTIZED_KINDS)
+    shapes, observations = step_shapes(runs, model, device_spec, server_config, kernel)
     for o in observations:
         o.kind = f"{o.kind} {kv_cache_dtype}"
-    fit = fit_dequant(shapes, observations, model, device_spec, kv_cache_dtype, server_config.block_size,
+    return QuantizedProbes(shapes, observations, kv_cache_dtype, server_config.block_size), speed_drift(runs) or {}
+
+
+def add_dequant(profile: CalibrationProfile, quantized: QuantizedProbes, drift: dict) -> CalibrationProfile:
+    """`profile` with the dequantization terms fitted to `quantized` (its other coefficients held);
+    FitRefusedError where they leave a probe class over RMS_LIMIT or a probe untimed."""
+    dtype, model, device_spec = quantized.kv_cache_dtype, *profile.specs()
+    fit = fit_dequant(quantized.shapes, quantized.observations, model, device_spec, dtype, quantized.block_size,
                       profile.coefficients, profile.client_overhead_s, profile.client_overhead_busy_s)
     residuals = fit.residuals()
+    dequant = {"kv_cache_dtype": dtype, "n": residuals["all"]["n"], "rms": residuals["all"]["rms"],
+               "rms_without": fit.without["all"]["rms"], "drift": drift}
     profile = dataclasses.replace(
         profile, coefficients=fit.coefficients,
         residuals=profile.residuals | {k: v for k, v in residuals.items() if k != "all"},
         observations=profile.observations + [_observation(o) for o in fit.observations],
-        fit=profile.fit | {"dequant": {"kv_cache_dtype": kv_cache_dtype, "n": residuals["all"]["n"],
-                                       "rms": residuals["all"]["rms"], "rms_without": fit.without["all"]["rms"]}})
-    reasons = [f"probe {o.label!r} ({kv_cache_dtype}): its {o.measure} has no usable timing" for o in fit.dropped]
-    reasons += [f"residual rms of the {kind} probes is {r['rms']:.1%} (n={r['n']}, worst {r['max']:.1%}), over "
-                f"the {RMS_LIMIT:.0%} limit" for kind, r in residuals.items() if r["rms"] > RMS_LIMIT]
+        fit=profile.fit | {"dequant": dequant})
+    reasons = [f"probe {o.label!r} ({dtype}): its {o.measure} has no usable timing" for o in fit.dropped]
+    reasons += [f"residual rms {'over all its timings' if kind == 'all' else f'of the {kind} probes'} is "
+                f"{r['rms']:.1%} (n={r['n']}, worst {r['max']:.1%}), over the {RMS_LIMIT:.0%} limit"
+                for kind, r in residuals.items() if r["rms"] > RMS_LIMIT]
     if reasons:
         raise FitRefusedError(
-            f"the {kv_cache_dtype} probes do not fit the profile's cost model with a dequantization term:\n"
+            f"the {dtype} probes do not fit the profile's cost model with a dequantization term:\n"
             + "".join(f"  - {r}\n" for r in reasons)
             + "to do:\n  - calibrate when the server is quiet: nothing else on its machine, no other client\n"
             + "the refused fit:\n" + format_profile(profile), reasons, profile)
@@ -119,9 +173,7 @@ def _probe(url: str, info: ServerInfo, config: EngineConfig, model: ModelSpec, d
     plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
                          max_prompt=max_prompt, pool_tokens=pool,
                          batch_tokens=server_config.max_num_batched_tokens, quick=quick,
-                         block_size=server_config.block_size)
-    if kinds is not None:
-        plan = ProbePlan([p for p in plan.probes if p.kind in kinds], plan.notes)
+                         block_size=server_config.block_size, kinds=kinds)
     if progress:
         for note in plan.notes:
             progress(f"note: {note}")
@@ -147,59 +199,82 @@ def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | Non
     `base`: the coefficients the fit leaves alone and starts from; by default the cost
     model's, with the attention kernel's pair counting of the torch executor where the
     server is kvengine's torch executor."""
-    if base is None:
-        base = CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
+    probed = probe_server(url, preset, device, config, quick, max_batch, max_prompt, options, check_alive, progress)
+    return fit_profile(probed, name, preset, device, base or _default_base(executor, device), target=target,
+                       executor=executor, quick=quick)
+
+
+def probe_server(url: str, preset: str, device: str, config: EngineConfig | None, quick: bool = False,
+                 max_batch: int = 64, max_prompt: int | None = None, options: ProbeOptions | None = None,
+                 check_alive=None, progress=None) -> Probed:
+    """Run the probes designed for the server at `url` (see calibrate_url)."""
     model, device_spec = model_preset(preset), device_preset(device)
     info = server_info(url)
     model = _served_model(model, info, progress)
-    server_config, notes, runs, probe_wall = _probe(url, info, config or EngineConfig(), model, device_spec,
-                                                    quick, max_batch, max_prompt, options, check_alive, progress)
-    kv_dtype = server_config.kv_cache_dtype
-    shapes, observations = step_shapes(runs, model, device_spec, server_config, base)
-    result = fit_coefficients(shapes, observations, model, device_spec, kv_dtype, server_config.block_size,
-                              base=base)
+    server_config, notes, runs, wall = _probe(url, info, config or EngineConfig(), model, device_spec, quick,
+                                              max_batch, max_prompt, options, check_alive, progress)
+    return Probed(url, model, device_spec, info, server_config, notes, runs, wall)
+
+
+def fit_profile(probed: Probed, name: str, preset: str, device: str, base: CostCoefficients, target: str = "url",
+                executor: str | None = None, quick: bool = False,
+                quantized: QuantizedProbes | None = None) -> CalibrationProfile:
+    """The profile fitted to `probed` (its splits chosen on `quantized` too, where given);
+    FitRefusedError, saying why and what to try, where degenerate_reasons refuses it."""
+    model, device_spec, server_config = probed.model, probed.device_spec, probed.server_config
+    shapes, observations = step_shapes(probed.runs, model, device_spec, server_config, base)
+    result = fit_coefficients(shapes, observations, model, device_spec, server_config.kv_cache_dtype,
+                              server_config.block_size, base=base, quantized=quantized)
     profile = CalibrationProfile(
         name=name, model=model.name, model_spec=dataclasses.asdict(model), dtype=model.dtype, device=device,
         coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
-        target=target, url=url, executor=executor,
-        served_model=info.model_name,
-        server=info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
+        target=target, url=probed.url, executor=executor,
+        served_model=probed.info.model_name,
+        server=probed.info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
         residuals=result.residuals(), roofline_residuals=result.initial,
         observations=[_observation(o) for o in result.observations],
-        probe_wall_s=round(probe_wall, 2), drift=speed_drift(runs) or {}, notes=notes,
+        probe_wall_s=round(probed.wall_s, 2), drift=speed_drift(probed.runs) or {}, notes=probed.notes,
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
     reasons = degenerate_reasons(result)
     if reasons:
-        # What to try, for what went wrong: noise (a busy machine, too few samples), timings
-        # the stream could not time, or prompts the cost model does not reach.
-        advice = []
-        drift = profile.drift.get("change")
-        if drift is not None and abs(drift) > DRIFT_WARN:
-            advice.append(f"calibrate when the server is quiet: its speed moved {drift:+.0%} between the first "
-                          "and the last probe (other work on its machine, or other clients of the server?)")
-        else:
-            advice.append("calibrate when the server is quiet: nothing else on its machine, no other client")
-        if quick:
-            advice.append("drop --quick: the full plan has more lengths, batch sizes and repeats per term, "
-                          "and longer decode windows")
-        if result.dropped:
-            advice.append("a probe without a timing: its streams came in too few chunks in its window (a "
-                          "server whose frontend falls behind merges tokens, or sends a stream in one burst): a "
-                          "quieter machine, or smaller batches (--max-batch)")
-        if target == "url":
-            advice.append(f"check that --preset {preset} --device {device} describe the served model, and that "
-                          "the scheduler flags (--max-num-seqs, --max-num-batched-tokens, --block-size, ...) are "
-                          "the server's: the fit replays the probes with them")
-        longest = max(run.probe.prompt_len for run in runs)
-        advice.append(f"where the longest prompts misfit, leave them out (--max-prompt, now {longest})")
-        raise FitRefusedError(
-            f"the fit is not usable as a cost profile ({len(reasons)} "
-            f"{'reason' if len(reasons) == 1 else 'reasons'}; rms limit {RMS_LIMIT:.0%}):\n"
-            + "".join(f"  - {r}\n" for r in reasons)
-            + "to do:\n" + "".join(f"  - {a}\n" for a in advice)
-            + "the refused fit:\n" + format_profile(profile), reasons, profile)
+        _refuse(profile, reasons, _advice(profile, result, probed, quick, preset, device))
     return profile
+
+
+def _advice(profile: CalibrationProfile, result, probed: Probed, quick: bool, preset: str, device: str) -> list[str]:
+    """What to try, for what went wrong: noise (a busy machine, too few samples), timings the
+    stream could not time, or prompts the cost model does not reach."""
+    advice = []
+    drift = profile.drift.get("change")
+    if drift is not None and abs(drift) > DRIFT_WARN:
+        advice.append(f"calibrate when the server is quiet: its speed moved {drift:+.0%} between the first "
+                      "and the last probes (other work on its machine, or other clients of the server?)")
+    else:
+        advice.append("calibrate when the server is quiet: nothing else on its machine, no other client")
+    if quick:
+        advice.append("drop --quick: the full plan has more lengths, batch sizes and repeats per term, "
+                      "and longer decode windows")
+    if result.dropped:
+        advice.append("a probe without a timing: its streams came in too few chunks in its window (a "
+                      "server whose frontend falls behind merges tokens, or sends a stream in one burst): a "
+                      "quieter machine, or smaller batches (--max-batch)")
+    if profile.target == "url":
+        advice.append(f"check that --preset {preset} --device {device} describe the served model, and that "
+                      "the scheduler flags (--max-num-seqs, --max-num-batched-tokens, --block-size, ...) are "
+                      "the server's: the fit replays the probes with them")
+    longest = max(run.probe.prompt_len for run in probed.runs)
+    advice.append(f"where the longest prompts misfit, leave them out (--max-prompt, now {longest})")
+    return advice
+
+
+def _refuse(profile: CalibrationProfile, reasons: list[str], advice: list[str]):
+    raise FitRefusedError(
+        f"the fit is not usable as a cost profile ({len(reasons)} "
+        f"{'reason' if len(reasons) == 1 else 'reasons'}; rms limit {RMS_LIMIT:.0%}):\n"
+        + "".join(f"  - {r}\n" for r in reasons)
+        + "to do:\n" + "".join(f"  - {a}\n" for a in advice)
+        + "the refused fit:\n" + format_profile(profile), reasons, profile)
 
 
 def _served_model(model: ModelSpec, info: ServerInfo, progress=None) -> ModelSpec:
@@ -254,6 +329,8 @@ def format_profile(profile: CalibrationProfile) -> str:
     if dequant:
         lines.append(f"  {dequant['kv_cache_dtype']} probes (a second server start): rms {dequant['rms']:.1%} with "
                      f"the dequantization terms, {dequant['rms_without']:.1%} without them (n={dequant['n']})")
+        lines += [line.replace("server speed", f"{dequant['kv_cache_dtype']} server speed", 1)
+                  for line in _drift_lines(dequant.get("drift") or {})]
     return "\n".join(lines)
 
 
@@ -281,8 +358,9 @@ def _kernel_line(c: CostCoefficients) -> str:
 def _drift_lines(drift: dict) -> list[str]:
     if not drift:
         return []
+    each = f" (median of {drift['runs']} runs each)" if drift.get("runs", 1) > 1 else ""
     line = (f"  {'server speed':<29}{drift['probe']}: ITL {drift['first_s'] * 1e3:.3f} ms first, "
-            f"{drift['last_s'] * 1e3:.3f} ms last ({drift['change']:+.1%})")
+            f"{drift['last_s'] * 1e3:.3f} ms last{each} ({drift['change']:+.1%})")
     if abs(drift["change"]) <= DRIFT_WARN:
         return [line]
     warning = (f"  warning: the server's speed moved {drift['change']:+.0%} while it was probed (other work on "
