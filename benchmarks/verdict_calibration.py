@@ -138,29 +138,23 @@ def main() -> int:
     for cv in [float(x) for x in args.cv.split(",")]:
         aa, ab = rates(normal_draws(cv, rng), args.searches, args.gain, args.repeats, args.max_repeats)
         rows.append({"spread": f"normal, cv {cv:g}", "cv": cv, "false_better_rate": aa, "power": ab})
-    if args.db and args.study:
-        for label, values in stored_spreads(args.db, args.study).items():
-            if len(values) < 2:
-                continue
-            values = np.array(values)
-            cv = float(values.std(ddof=1) / values.mean())
-            resample = lambda _c, mean, v=values: float(rng.choice(v)) / v.mean() * 10.0 * mean  # noqa: E731
-            aa, ab = rates(resample, args.searches, args.gain, args.repeats, args.max_repeats)
-            rows.append({"spread": f"{args.study}: {label}'s {len(values)} runs resampled", "cv": cv,
-                         "false_better_rate": aa, "power": ab})
+    runs = list(stored_spreads(args.db, args.study).items()) if args.db and args.study else []
+    runs = [(f"{args.study}: {label}'s {len(values)} runs resampled", values) for label, values in runs]
     live_kinds = []
     if args.live:
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="kvtune-aa-") as workdir:
             live_kinds, values = live_aa(args.live, args.executor, workdir)
-        if len(values) >= 2:
-            values = np.array(values)
-            cv = float(values.std(ddof=1) / values.mean())
-            resample = lambda _c, mean, v=values: float(rng.choice(v)) / v.mean() * 10.0 * mean  # noqa: E731
-            aa, ab = rates(resample, args.searches, args.gain, args.repeats, args.max_repeats)
-            rows.append({"spread": f"live A/A ({args.executor}): {len(values)} runs resampled", "cv": cv,
-                         "false_better_rate": aa, "power": ab})
+        runs.append((f"live A/A ({args.executor}): {len(values)} runs resampled", values))
+    for spread, values in runs:
+        if len(values) < 2:
+            continue
+        values = np.array(values)
+        resample = lambda _c, mean, v=values: float(rng.choice(v)) / v.mean() * 10.0 * mean  # noqa: E731
+        aa, ab = rates(resample, args.searches, args.gain, args.repeats, args.max_repeats)
+        rows.append({"spread": spread, "cv": float(values.std(ddof=1) / values.mean()), "false_better_rate": aa,
+                     "power": ab})
     print(f"{args.searches} A/A and {args.searches} A/B searches per spread; 3 candidates and the default, "
           f"{args.repeats}-{args.max_repeats} runs each; gain {args.gain:.0%}")
     print(f"{'spread':52} {'cv':>6} {'false better':>13} {'power':>7}")
