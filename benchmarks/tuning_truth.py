@@ -364,7 +364,8 @@ def judge_search(res: dict, ivs: dict, best, grid_runs: int, grid_beats: bool) -
     verdict, rec = res.get("verdict"), res.get("recommended")
     out = {"verdict": verdict, "recommended": rec, "leader": res.get("leader"), "live_runs_used": res.get("live_runs"),
            "search_reasons": res.get("reasons"), "recommended_over_best": None, "tied_with_best": None,
-           "advice": f"{verdict}: {label(rec)}" if rec else verdict}
+           # as verdict_stability counts it: the flags a change recommends, else the verdict
+           "advice": f"set {label(rec)}" if rec and verdict in ("better", "smallest_change") else verdict}
     pick = rec or res.get("leader")
     piv = ivs.get(key(pick)) if pick and all(k in pick for k in KNOBS) else None
     if piv is not None:

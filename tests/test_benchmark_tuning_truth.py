@@ -65,8 +65,8 @@ def test_repeated_searches_are_scored_by_their_shares(bench):
     """Three searches against one grid: the shares count a search that printed nothing as missing."""
     def search(verdict, over, tied, block):
         return {"verdict": verdict, "verdict_right": verdict == "better", "recommended_over_best": over,
-                "tied_with_best": tied, "advice": f"{verdict}: block {block}"}
+                "tied_with_best": tied, "advice": f"set block {block}" if verdict == "better" else verdict}
     shares = bench.search_shares([search("better", 0.97, False, 32), search("better", 0.9, True, 32),
                                   search("keep_default", None, None, 0)], 4)
     assert shares["share_verdict_right"] == 0.5 and shares["share_recommended_goal"] == 0.5
-    assert shares["share_same_advice"] == 0.5 and shares["advice"] == {"better: block 32": 2, "keep_default: block 0": 1}
+    assert shares["share_same_advice"] == 0.5 and shares["advice"] == {"set block 32": 2, "keep_default": 1}
