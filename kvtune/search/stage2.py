@@ -107,7 +107,7 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     """The race's entrants (the module's docstring says which), the default first (it runs on the
     checked server), and notes naming the trials an entrant stands for."""
     groups = _results(ranked)
-    level = next((g for g in groups if any(t.params == dflt for t in g)), [])
+    level = _default_result(groups, dflt)
     picked, notes = [], []
     for group in [g for g in groups if g is not level] + [[t] for t in level if t.params != dflt]:
         if len(picked) == top_k:
@@ -147,6 +147,11 @@ def _results(ranked: list) -> list[list]:
     return groups
 
 
+def _default_result(groups: list[list], dflt: dict) -> list:
+    """The group of `_results` the default's trial is in; empty where stage 1 never ran the default."""
+    return next((g for g in groups if any(t.params == dflt for t in g)), [])
+
+
 def changes(params: dict, dflt: dict) -> int:
     """How many flags `params` changes from the default's."""
     return sum(params.get(k) != v for k, v in dflt.items())
@@ -161,7 +166,7 @@ def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
     entrant level with the default is left as it is: every knob would go back.) Notes say what was
     dropped; the new trials join the study and its ranking."""
     notes = []
-    level = next((g for g in _results(ranked) if any(t.params == dflt for t in g)), [])
+    level = _default_result(_results(ranked), dflt)
     for cand in live_candidates(ranked, top_k, dflt)[0][1:]:
         leader = next((t for t in ranked if t.number == cand.number), None)
         if leader is None or len(leader.values) != 1 or any(t is leader for t in level):
