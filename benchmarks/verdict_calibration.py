@@ -133,6 +133,8 @@ def main() -> int:
     ap.add_argument("--executor", choices=("torch", "sim"), default="torch", help="the engine's, for --live")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.live < 0:
+        ap.error(f"--live is a number of live searches (0 or more), got {args.live}")
     rng = np.random.default_rng(args.seed)
     rows = []
     for cv in [float(x) for x in args.cv.split(",")]:
