@@ -375,7 +375,9 @@ def test_alerts_fire_on_a_tight_pool_and_stay_inactive_on_a_roomy_one(prom, engi
     tight_server = ServerProcess(*SIM, *TIGHT_POOL)
     tight = host_of(tight_server.url)
     # 64-token prompts growing to 464 tokens in 96 blocks, arriving faster than the pool serves them.
-    pressure = Load(tight_server.url, ENGINE_MODEL, count=600, rate=10.0, prompt_len=64, max_tokens=400, max_s=60)
+    # F1's rule wants the queue still rising: the pressure must outlast every wait below (up to 66 s
+    # on a loaded host), so its bounds are wide and `stop()` ends it when the checks are done.
+    pressure = Load(tight_server.url, ENGINE_MODEL, count=1800, rate=10.0, prompt_len=64, max_tokens=400, max_s=180)
     light = Load(engines["roomy"].url, ENGINE_MODEL, count=240, rate=4.0, prompt_len=320, max_tokens=32,
                  shared=256, max_s=60)
     try:
