@@ -287,7 +287,7 @@ def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
     candidates, notes = live_candidates(trials, 1, DEFAULT)
     assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 2", lower)]
     assert notes == [f"trial 1 stands for trial 0 in stage 2: the simulator scored them within {SIM_TIE:.0%} of "
-                     "each other (one result at its precision), and it changes the fewest flags"]
+                     "each other (one result at its precision), and it is the smallest change"]
     # Where every config is level with the default, the sim's leader still runs live beside it.
     trials[2].values = [10.0]
     candidates, notes = live_candidates(trials, 1, DEFAULT)
@@ -336,6 +336,24 @@ def test_a_tie_goes_by_the_simulators_order_not_by_the_live_means():
         live = runs(A, 2, a_runs) + runs(C, 1, c_runs) + runs(DEFAULT, 0, [5.0, 5.1, 4.9])
         verdict, _, _ = choose(trials, live, [SLO], DEFAULT)
         assert verdict.kind == BETTER and verdict.recommended.params == C
+
+
+def test_between_equal_gains_an_unquantized_kv_cache_is_preferred_whatever_the_simulators_order():
+    """The demo's two answers: fp8 KV and a smaller block both beat the default, tied with each other.
+    Whichever the simulator ranked first (it moves with each calibration), the change that keeps the
+    KV cache unquantized is recommended, also against a quantized one changing fewer flags."""
+    fp8 = dict(DEFAULT, kv_cache_dtype="fp8")
+    small_blocks = dict(DEFAULT, block_size=DEFAULT["block_size"] // 2, max_num_seqs=64)
+
+    def sim(params, number, value):
+        return Measurement("sim", number, dict(params), "COMPLETE", values=[value],
+                           constraints={SLO.name: -0.1}, observed={SLO.name: 0.4})
+    for fp8_sim, blocks_sim in ((9.0, 8.0), (8.0, 9.0)):
+        trials = [sim(fp8, 1, fp8_sim), sim(small_blocks, 2, blocks_sim), sim(DEFAULT, 0, 2.0)]
+        live = runs(fp8, 1, [8.3, 8.1, 8.2]) + runs(small_blocks, 2, [8.0, 8.2, 8.1]) + runs(DEFAULT, 0, [2.0, 2.1, 1.9])
+        verdict, _, _ = choose(trials, live, [SLO], DEFAULT)
+        assert verdict.kind == BETTER and verdict.recommended.params == small_blocks
+        assert verdict.reasons[1] == "trial 1 also beats the default and ties with trial 2, the smaller change"
 
 
 def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_one_that_is():

@@ -82,7 +82,8 @@ def _verdict(data: ReportData, diagnoses: list[Diagnosis]) -> Callout:
         lines = [params_text(rec.params), _headline_figures(data, rec), *(f"• {r}" for r in v.reasons)]
         if len(v.tied) > 1:
             lines.append(f"{len(v.tied)} configs are indistinguishable from the best by a Welch t-test over their "
-                         "runs (section 2): the one that changes the fewest flags from the default is the one named.")
+                         "runs (section 2): the smallest change from the default is the one named (one that keeps the "
+                         "KV cache unquantized before one that quantizes it, then the fewest flags).")
         return Callout("ok", title, lines)
     if v.kind == INCONCLUSIVE:
         lines = ["Nothing is recommended: these runs cannot carry a change of flags. Keep what you run, fix what "

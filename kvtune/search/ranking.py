@@ -15,9 +15,9 @@ comparisons of all the tied configs with the reference Holm-corrected, and the r
 added while undecided are paid for by dividing the error budget over the looks
 (`choose`'s `looks`): the chance of a false "better" stays within ALPHA. Intervals are
 Student-t 95 % intervals of the mean. Of the tied configs shown to beat the reference,
-the one changing the fewest flags is recommended (the simulator's order breaks a tie:
-it is the same on a rerun, the live means are not). The reference in the tie: keep it.
-The reference outside the tie (it misses an SLO) and nothing shown to beat it: the
+the cheapest change is recommended (`space.change_cost`: a quantized KV cache last, then
+the fewest flags; the simulator's order breaks a tie, the live means within a tie are
+noise). The reference in the tie: keep it. The reference outside the tie (it misses an SLO) and nothing shown to beat it: the
 smallest change in the tie. Runs whose own evidence is doubtful (client and server
 disagree, the load generator fell behind, the host was saturated, requests failed) make
 the verdict inconclusive. Stage 1 alone (no live stage) is deterministic: configs within
@@ -32,6 +32,7 @@ import numpy as np
 
 from ..store import SUMMARY_FIGURES
 from .slo import SLO
+from .space import change_cost
 from .stats import Interval, holm, interval, welch
 
 FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
@@ -112,9 +113,6 @@ class Candidate:
             if m is not None and m.ok:
                 return m
         return self.live or self.sim
-
-    def changes_from(self, default: dict) -> int:
-        return sum(self.params.get(k) != v for k, v in default.items())
 
     def figure(self, key: str, stage: str) -> float | None:
         """One figure of this config on `stage` (sim or live), the one every table shows: the mean of
@@ -427,8 +425,12 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     why = beating(tied, default_in) if beating else {id(c): beats(c, default_in) for c in tied}
     shown = [c for c in tied if why.get(id(c)) is not None]
     if shown:
-        verdict.recommended = _simplest(shown, default, slos)
-        verdict.reasons = [f"{verdict.recommended.label} beats {default.label}: {why[id(verdict.recommended)]}"]
+        rec = verdict.recommended = _simplest(shown, default, slos)
+        verdict.reasons = [f"{rec.label} beats {default.label}: {why[id(rec)]}"]
+        others = [c.label for c in shown if c is not rec]
+        if others:
+            verdict.reasons.append(f"{', '.join(others)} also beat{'s' if len(others) == 1 else ''} {default.label} "
+                                   f"and tie{'s' if len(others) == 1 else ''} with {rec.label}, the smaller change")
         return verdict
     # the default is outside the tie yet nothing that ties beats it: the default misses an SLO
     verdict.recommended, verdict.kind = _simplest(tied, default, slos), SMALLEST_CHANGE
@@ -438,11 +440,11 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
 
 
 def _simplest(configs: list[Candidate], default: Candidate, slos: list[SLO]) -> Candidate:
-    """The config changing the fewest flags; among those, the simulator's best (its order is the same
-    on a rerun; the live means, within the tie, are noise)."""
+    """The cheapest change (`space.change_cost`: no quantized KV before one, then the fewest flags);
+    among equals, the simulator's best (the live means, within the tie, are noise)."""
     def sim_rank(c):
         return rank_key(c.sim, slos) if c.sim is not None and c.sim.ok else (2, 0.0, 0)
-    return min(configs, key=lambda c: (c.changes_from(default.params), sim_rank(c)))
+    return min(configs, key=lambda c: (change_cost(c.params, default.params), sim_rank(c)))
 
 
 def _doubts(verdict: Verdict, default: Candidate) -> list[str]:

@@ -137,6 +137,17 @@ class SearchSpace:
         return dataclasses.replace(base, **params)
 
 
+def change_cost(params: dict, default: dict) -> tuple[int, int]:
+    """What turning `default` into `params` asks of an operator, least first: how many changes alter
+    the model's numerics (a quantized KV cache: answers may differ, which only the operator's own
+    evaluation can clear; report section 7 says so), then how many flags change. Among configs the
+    live test cannot tell apart, the cheapest is recommended: the same choice on every rerun, where
+    the simulator's order between two equal gains moves with each calibration."""
+    changed = [k for k, v in default.items() if params.get(k) != v]
+    lossy = sum(1 for k in changed if k == "kv_cache_dtype" and params.get(k) != "auto")
+    return lossy, len(changed)
+
+
 def tensor_parallel_knob(model, gpus: int) -> Knob:
     """TP sizes for `gpus` GPUs: the divisors of `gpus` the model's heads allow (vLLM's rules), each
     serving gpus / TP replicas."""

@@ -2,7 +2,7 @@
 
 The entrants: stage 1's ranking, best first, grouped into results (trials the simulator scores
 within SIM_TIE of each other are one result: running two of them spends the budget on one
-answer), each result entering in its simplest form (the trial that changes the fewest flags;
+answer), each result entering in its simplest form (its cheapest change, `space.change_cost`;
 `simpler_leaders` first tries each changed flag back at the default's value in the simulator),
 until `top_k` have entered; the default's own result is the default, and where places are left,
 the configs the simulator scores level with it enter, best ranked first (live can tell apart
@@ -40,7 +40,7 @@ from .ranking import (
     within_tie,
 )
 from .slo import Score, diagnosis_thresholds
-from .space import SearchSpace
+from .space import SearchSpace, change_cost
 from .study import is_feasible
 from .validity import run_doubts
 
@@ -112,7 +112,7 @@ def live_candidates(ranked: list, top_k: int, dflt: dict) -> tuple[list[LiveConf
     for group in [g for g in groups if g is not level] + [[t] for t in level if t.params != dflt]:
         if len(picked) == top_k:
             break
-        pick = min(group, key=lambda t: changes(t.params, dflt))  # stable: the best ranked of the fewest
+        pick = min(group, key=lambda t: change_cost(t.params, dflt))  # stable: the best ranked of the cheapest
         picked.append(pick)
         if any(group[0] is t for t in level):
             notes.append(f"trial {pick.number} runs live though the simulator scores it level with the default: "
@@ -132,7 +132,7 @@ def _stands_for(pick, others: list) -> str:
     named = ", ".join(f"trial {t.number}" for t in others[:NAMED_TWINS])
     more = f" and {len(others) - NAMED_TWINS} more" if len(others) > NAMED_TWINS else ""
     return (f"trial {pick.number} stands for {named}{more} in stage 2: the simulator scored them within "
-            f"{SIM_TIE:.0%} of each other (one result at its precision), and it changes the fewest flags")
+            f"{SIM_TIE:.0%} of each other (one result at its precision), and it is the smallest change")
 
 
 def _results(ranked: list) -> list[list]:
@@ -150,11 +150,6 @@ def _results(ranked: list) -> list[list]:
 def _default_result(groups: list[list], dflt: dict) -> list:
     """The group of `_results` the default's trial is in; empty where stage 1 never ran the default."""
     return next((g for g in groups if any(t.params == dflt for t in g)), [])
-
-
-def changes(params: dict, dflt: dict) -> int:
-    """How many flags `params` changes from the default's."""
-    return sum(params.get(k) != v for k, v in dflt.items())
 
 
 def simpler_leaders(stage1, ranked: list, top_k: int, dflt: dict) -> list[str]:
