@@ -6,8 +6,12 @@ demo stores, calibrated here first when missing; stage 2 live on kvengine's torc
 CPU) N times, each a fresh study, and prints each verdict: its kind and the flags it recommends
 (the changes from the default). The share of reruns that give the most common advice is the
 stability. Goal >= 90 %. The reruns are real live searches, about 4 minutes each on 2 cores.
+With --fresh-calibration each rerun first calibrates its own profile, as a fresh clone's
+`make demo` does (about a minute more each): the advice must then hold across calibrations too,
+not only across live runs on one fitted simulator.
 
-    python benchmarks/verdict_stability.py [--runs 5] [--db sqlite:///reports/stability.db] [--json]
+    python benchmarks/verdict_stability.py [--runs 5] [--fresh-calibration]
+        [--db sqlite:///reports/stability.db] [--json]
 """
 from __future__ import annotations
 
@@ -35,20 +39,26 @@ def kvtune(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
-def ensure_profile(db: str) -> None:
-    """The demo's calibrated profile in `db`, calibrated as `make demo` does where it is missing."""
+def ensure_profile(db: str, name: str = PROFILE, fresh: bool = False) -> list[str]:
+    """Stage 1's flags for the demo's calibrated profile `name` in `db`, calibrated as `make demo`
+    does where it is missing (or always, when `fresh`). Refused twice: `make demo` goes on with the
+    uncalibrated preset, and so does a fresh rerun; otherwise SystemExit."""
     from kvtune.calibrate import get_profile
 
-    try:
-        get_profile(db, PROFILE)
-        return
-    except Exception:  # noqa: BLE001 (missing profile or database: calibrate)
-        pass
+    if not fresh:
+        try:
+            get_profile(db, name)
+            return ["--profile", name]
+        except Exception:  # noqa: BLE001 (missing profile or database: calibrate)
+            pass
     for _ in range(2):  # the demo's own retry: a calibration may be refused on a busy host
         p = kvtune("calibrate", "--target", "engine", "--executor", "torch", "--quick", "--max-prompt", "512",
-                   "--quantized-kv", "fp8", *LIMITS, "--name", PROFILE, "--db", db)
+                   "--quantized-kv", "fp8", *LIMITS, "--name", name, "--db", db)
         if p.returncode == 0:
-            return
+            return ["--profile", name]
+    if fresh:
+        print(f"calibration of {name} refused twice: stage 1 on the uncalibrated preset, as make demo does")
+        return ["--preset", "tiny", "--device", "cpu"]
     raise SystemExit(f"calibration refused twice:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
 
 
@@ -66,15 +76,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--db", default="sqlite:///reports/stability.db")
+    ap.add_argument("--fresh-calibration", action="store_true",
+                    help="calibrate a new profile before each rerun, as a fresh clone's make demo does")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     (ROOT / "reports").mkdir(exist_ok=True)
-    ensure_profile(args.db)
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
+    if not args.fresh_calibration:
+        ensure_profile(args.db)
     rows = []
     for i in range(args.runs):
         study = f"stability-{time.strftime('%Y%m%d-%H%M%S')}-{i}"
         t0 = time.monotonic()
-        p = kvtune("search", "--workload", str(TRACE), "--profile", PROFILE, *SEARCH, "--db", args.db,
+        stage1 = (ensure_profile(args.db, f"{study}-cpu", fresh=True) if args.fresh_calibration
+                  else ["--profile", PROFILE])
+        p = kvtune("search", "--workload", str(TRACE), *stage1, *SEARCH, "--db", args.db,
                    "--study", study)
         if p.returncode != 0:
             rows.append({"study": study, "advice": f"failed (exit {p.returncode})", "error": p.stderr[-500:]})
@@ -82,8 +99,8 @@ def main() -> int:
             continue
         out = json.loads(p.stdout.strip().splitlines()[-1])
         default = next((c["params"] for c in out["live"] if c["is_default"]), None)
-        rows.append({"study": study, "advice": advice(out, default), "verdict": out["verdict"],
-                     "reasons": out["reasons"], "wall_s": round(time.monotonic() - t0)})
+        rows.append({"study": study, "stage1": " ".join(stage1), "advice": advice(out, default),
+                     "verdict": out["verdict"], "reasons": out["reasons"], "wall_s": round(time.monotonic() - t0)})
         print(f"run {i + 1}: {rows[-1]['advice']}  ({rows[-1]['wall_s']} s)")
     counts = collections.Counter(r["advice"] for r in rows)
     mode, same = counts.most_common(1)[0]
@@ -91,6 +108,7 @@ def main() -> int:
     print(f"\n{same} of {len(rows)} reruns gave the most common advice ({mode}): {share:.0%} (goal >= 90 %)")
     if args.json:
         print(json.dumps({"share_same": share, "runs": len(rows), "advice": dict(counts), "mode": mode,
+                          "fresh_calibration": args.fresh_calibration,
                           "rows": rows}))
     return 0
 
