@@ -265,7 +265,7 @@ def test_kvtune_search_ends_with_the_report(tmp_path):
     assert "(p50)" in text  # the workload file was found: contexts from the trace itself
     if result["feasible"]:
         vllm = command(text, "vllm")
-        best = result["best_params"]
+        best = result["recommended"]
         assert int(flag(vllm, "--max-num-seqs")) == best["max_num_seqs"]
         assert int(flag(vllm, "--block-size")) == best["block_size"]
         assert flag(vllm, "--kv-cache-dtype") == best["kv_cache_dtype"]

@@ -186,13 +186,11 @@ def _search(args, live_targets: list) -> int:
         print(f"report: {md} and {html}")
     v = data.verdict
     if args.json:
-        rec, best = v.recommended, outcome.ranked[0]
+        rec = v.recommended  # the one answer: stage 1's best is an input to stage 2, not advice
         print(json.dumps({"study": name, "feasible": bool(outcome.feasible), "verdict": v.kind, "stage": v.stage,
                           "reasons": v.reasons, "recommended": rec.params if rec else None,
                           "recommended_label": rec.label if rec else None,
-                          "leader": v.leader.params if v.leader else None,
-                          "best_trial": best.number, "best_params": best.params,
-                          "best_values": best.values, "report": report,
+                          "leader": v.leader.params if v.leader else None, "report": report,
                           "live": [_live_json(c) for c in data.candidates if c.runs],
                           "live_runs": sum(len(c.runs) for c in data.candidates)}))
     return 3 if live is not None and not v.measured else 0  # the live stage could not measure
