@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from .results import RequestRecord
 from .stopping import spawn
+from .targets.process import free_port
 from .workload import read_workload, workload_prompt_token_ids
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
@@ -77,9 +77,7 @@ class LoadResult:
     samples: list[dict]
     returncode: int
     log: str
-    locust_stats: list
     max_lateness_s: float
-    requests_planned: int
 
     @property
     def kept_up(self) -> bool:
@@ -90,17 +88,11 @@ class LoadResult:
         return sorted((record_from_sample(s) for s in self.samples), key=lambda r: int(r.request_id))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _locust_cmd(host: str, workload: str, samples: str, model: str | None, users: int, run_time_s: int,
-                json_file: str, shards: int, max_concurrency: int | None = None) -> list[str]:
+                shards: int, max_concurrency: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", host,
            "-u", str(users), "-r", str(users), "--run-time", f"{run_time_s}s", "--stop-timeout", "10",
-           "--only-summary", "--loglevel", "WARNING", "--json-file", json_file,
+           "--only-summary", "--loglevel", "WARNING",
            "--kvtune-workload", workload, "--kvtune-samples", samples, "--kvtune-shards", str(shards)]
     if model:
         cmd += ["--kvtune-model", model]
@@ -119,10 +111,10 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
     `watch()` is called every `watch_interval_s` while the replay runs; whatever it raises
     (the server died) ends the replay at once and is raised from here."""
     out = tempfile.mkdtemp(prefix="kvtune-load-")
-    samples, json_base = os.path.join(out, "samples"), os.path.join(out, "locust")
+    samples = os.path.join(out, "samples")
     shards = max(workers, 1)
     users = max(users, max_concurrency or 0)  # one user per request in flight
-    base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, json_base, shards, max_concurrency)
+    base = _locust_cmd(host, workload_path, samples, model, users, run_time_s, shards, max_concurrency)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     timeout_s = timeout_s or run_time_s + 60
     procs = []
@@ -137,7 +129,7 @@ def run_load(host: str, workload_path: str, model: str | None = None, users: int
         shutil.rmtree(out, ignore_errors=True)
         raise
     try:
-        return _collect(out, samples, json_base, rc if rc is not None else -9, log, workload_path)
+        return _collect(out, samples, rc if rc is not None else -9, log)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -147,7 +139,7 @@ def _start_locust(base: list[str], workers: int, log_file, env: dict, procs: lis
     if not workers:
         spawn(base, procs.append, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
         return procs[0]
-    port = _free_port()
+    port = free_port()
     spawn(base + ["--master", "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port),
                   "--expect-workers", str(workers)],
           procs.append, stdout=log_file, stderr=subprocess.STDOUT, text=True, env=env)
@@ -186,16 +178,11 @@ def _kill(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
-def _collect(out: str, samples_prefix: str, json_base: str, rc: int, log: str, workload_path: str) -> LoadResult:
+def _collect(out: str, samples_prefix: str, rc: int, log: str) -> LoadResult:
     samples = []
     for name in sorted(os.listdir(out)):
         if name.startswith(os.path.basename(samples_prefix)):
             with open(os.path.join(out, name)) as f:
                 samples += [json.loads(line) for line in f if line.strip()]
-    stats = []
-    if os.path.exists(json_base + ".json"):
-        with open(json_base + ".json") as f:
-            stats = json.load(f)
     lateness = max((s["lateness_s"] for s in samples), default=0.0)
-    planned = len(read_workload(workload_path))
-    return LoadResult(samples, rc, log, stats, lateness, planned)
+    return LoadResult(samples, rc, log, lateness)
