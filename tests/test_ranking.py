@@ -296,6 +296,24 @@ def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
     assert notes[1].startswith("trial 1 stands for trial 2 in stage 2")
 
 
+def test_a_result_enters_as_its_smallest_change_whatever_the_simulators_order_inside_it():
+    """Trials the simulator scores alike are one result; which of them it ranks first moves with each
+    calibration. The result enters as the smallest change: unquantized before fp8, then the smallest
+    step from the default's value (block 32 from 16, not 256), so a rerun enters the same config."""
+    dists = {k: optuna.distributions.CategoricalDistribution([16, 32, 64, 128, 256, "auto", "fp8"])
+             for k in DEFAULT}
+    fp8, near, far = dict(DEFAULT, kv_cache_dtype="fp8"), dict(DEFAULT, block_size=32), dict(DEFAULT, block_size=256)
+    for values in ((12.05, 11.95, 12.0), (11.95, 12.0, 12.05), (12.0, 12.05, 11.95)):
+        trials = []
+        for number, (params, value) in enumerate(zip((fp8, near, far, DEFAULT), (*values, 5.0))):
+            trial = optuna.trial.create_trial(params=params, distributions=dists, values=[value])
+            trial.number = number
+            trials.append(trial)
+        ranked = sorted(trials, key=lambda t: -t.values[0])
+        candidates, _ = live_candidates(ranked, 1, DEFAULT)
+        assert [c.params for c in candidates] == [DEFAULT, near], values
+
+
 def test_the_race_enters_distinct_results_first_and_level_configs_only_in_places_left():
     """Entrants in the simulator's order: every distinct result before any config the simulator
     scores level with the default (the default stands for those), whatever their headroom."""
@@ -324,9 +342,10 @@ def test_a_config_meeting_the_slos_in_every_run_is_preferred_to_a_higher_mean_th
 
 
 def test_a_tie_goes_by_the_simulators_order_not_by_the_live_means():
-    """Two one-flag changes tied live: the one the simulator ranked higher is recommended, whichever
-    live mean is higher, so a rerun's noise does not flip the advice."""
-    C = dict(DEFAULT, max_num_seqs=64)
+    """Two one-flag changes of one step each (block 16 -> 32, 256 seqs -> 128) tied live: the one the
+    simulator ranked higher is recommended, whichever live mean is higher, so a rerun's noise does
+    not flip the advice."""
+    C = dict(DEFAULT, max_num_seqs=128)
 
     def sim(params, number, value):
         return Measurement("sim", number, dict(params), "COMPLETE", values=[value],

@@ -137,15 +137,23 @@ class SearchSpace:
         return dataclasses.replace(base, **params)
 
 
-def change_cost(params: dict, default: dict) -> tuple[int, int]:
+def change_cost(params: dict, default: dict) -> tuple[int, int, float]:
     """What turning `default` into `params` asks of an operator, least first: how many changes alter
     the model's numerics (a quantized KV cache: answers may differ, which only the operator's own
-    evaluation can clear; report section 7 says so), then how many flags change. Among configs the
-    live test cannot tell apart, the cheapest is recommended: the same choice on every rerun, where
-    the simulator's order between two equal gains moves with each calibration."""
+    evaluation can clear; report section 7 says so), then how many flags change, then how far the
+    numbers move (the sum of |log2(new / default)| over the numeric flags: block 64 is a smaller
+    step from 128 than block 16). Among configs the live test cannot tell apart, or the simulator
+    scores alike, the cheapest is recommended: the same choice on every rerun, where the
+    simulator's order between two equal results moves with each calibration."""
     changed = [k for k, v in default.items() if params.get(k) != v]
     lossy = sum(1 for k in changed if k == "kv_cache_dtype" and params.get(k) != "auto")
-    return lossy, len(changed)
+    return lossy, len(changed), round(sum(_step(params.get(k), default[k]) for k in changed), 9)
+
+
+def _step(new, old) -> float:
+    """How far a flag moves: |log2(new / old)| between positive numbers, 1 for any other change."""
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in (new, old))
+    return abs(math.log2(new / old)) if numbers else 1.0
 
 
 def tensor_parallel_knob(model, gpus: int) -> Knob:
