@@ -1,9 +1,6 @@
 """Closed-loop load (`--max-concurrency N`, vLLM's `vllm bench serve --max-concurrency`): at most N
 requests in flight, the next in trace order sent when one finishes, in the simulator and live."""
 import json
-import math
-import subprocess
-import sys
 
 import pytest
 
@@ -12,6 +9,7 @@ from kvengine.core.request import SamplingParams
 from kvengine.engine.llm_engine import LLMEngine
 from kvtune.targets import SimTarget
 from kvtune.workload import SynthSpec, parse_dist, read_workload, synthesize, write_workload
+from kvtune_cli import kvtune
 
 
 def engine():
@@ -85,10 +83,6 @@ def test_sim_target_takes_the_workloads_limit():
     ends = {r.request_id: r.arrival_s + r.e2e_s for r in result.requests}
     check_closed_loop(sent, ends, 2, exact=False, slack_s=1e-9)
     assert max(result.series["num_running"]) + 0 <= 2
-
-
-def kvtune(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow

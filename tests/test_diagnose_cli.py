@@ -12,17 +12,13 @@ from serverproc import ServerProcess, free_port
 from test_diagnose import failed_start, healthy_run, preemption_run
 
 from kvengine.config import EngineConfig
-from kvtune.cli.diagnose import add_diagnose_command
 from kvtune.store import Store
 from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
+from kvtune_cli import kvtune_main
 
 
 def kvtune_diagnose(*argv) -> int:
-    """`kvtune diagnose ARGV` through the command's own argparse wiring."""
-    parser = argparse.ArgumentParser(prog="kvtune")
-    add_diagnose_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["diagnose", *argv])
-    return args.func(args)
+    return kvtune_main("diagnose", *argv)
 
 
 def last_json(capsys) -> dict:

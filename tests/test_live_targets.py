@@ -16,6 +16,7 @@ from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunEr
                             UrlTarget, VllmTarget)
 from kvtune.workload import TraceRequest, Workload, synthesize, SynthSpec, parse_dist, write_workload
 from serverproc import ServerProcess, free_port
+from kvtune_cli import kvtune
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +25,6 @@ def small_workload(n=40, rate=20.0, seed=3) -> Workload:
     return synthesize(SynthSpec(num_requests=n, rate=rate, input_len=parse_dist("100-300"),
                                 output_len=parse_dist("8-24"), system_prompts=1, system_prompt_len=128,
                                 seed=seed))
-
-
-def kvtune(*args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout)
 
 
 def test_kvtune_run_engine_sim_end_to_end(tmp_path):

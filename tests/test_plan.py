@@ -1,5 +1,4 @@
 """The capacity planner against the fault card's worked examples, and `kvtune plan`'s flags and JSON."""
-import argparse
 import json
 
 import pytest
@@ -16,17 +15,14 @@ from kvtune.plan import (
     server_pool_of,
     workload_contexts,
 )
-from kvtune.cli.plan import add_plan_command
 from kvtune.workload import TraceRequest, Workload, write_workload
+from kvtune_cli import kvtune_main
 
 KiB = 1 << 10
 
 
 def kvtune_plan(*argv) -> int:
-    parser = argparse.ArgumentParser(prog="kvtune")
-    add_plan_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["plan", *argv])
-    return args.func(args)
+    return kvtune_main("plan", *argv)
 
 
 def plan_json(capsys, *argv) -> dict:

@@ -16,16 +16,12 @@ from kvtune.search.study import mark_started
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
+from kvtune_cli import kvtune
 
 
 def busy_workload(n=120, rate=40.0) -> Workload:
     """Long prompts at a rate an L4 cannot keep up with: KV room decides the goodput."""
     return Workload([TraceRequest(i / rate, 1500 + (i * 37) % 500, 60) for i in range(n)])
-
-
-def kvtune(*args, timeout=300, **kw):
-    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True,
-                          timeout=timeout, **kw)
 
 
 def test_a_known_best_config_is_found(tmp_path):

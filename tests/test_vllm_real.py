@@ -22,15 +22,11 @@ from kvtune.targets.process import ManagedServer, free_port
 from kvtune.targets.servers import SERVED_NAME
 from kvtune.workload import SynthSpec, parse_dist, synthesize, write_workload
 from vllmserver import ENV, START_TIMEOUT_S, TEST_ARGS, counter, metrics, vllm_command
+from kvtune_cli import kvtune
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = "1024"
-
-
-def kvtune(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "kvtune", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def server_flags() -> list[str]:

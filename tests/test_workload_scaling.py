@@ -6,7 +6,6 @@ hit rate would climb with every halving of the lengths. The blocks shrink with t
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from pathlib import Path
@@ -14,18 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtune.cli.trace import add_trace_commands
 from kvtune.workload import read_workload, workload_stats
+from kvtune_cli import kvtune_main
 
 MOONCAKE_BLOCK = 512
 REQUESTS = 300
-
-
-def kvtune(*argv: object) -> int:
-    parser = argparse.ArgumentParser(prog="kvtune")
-    add_trace_commands(parser.add_subparsers(dest="command"))
-    args = parser.parse_args([str(a) for a in argv])
-    return args.func(args)
 
 
 def mooncake_trace(path: Path, seed: int = 0) -> Path:
@@ -65,7 +57,7 @@ def original(trace) -> dict[int, dict]:
 
 
 def stats(path: Path, capsys, *options: object) -> tuple[dict, str]:
-    assert kvtune("trace", "stats", path, "--json", *options) == 0
+    assert kvtune_main("trace", "stats", path, "--json", *options) == 0
     out = capsys.readouterr().out
     return json.loads(out.splitlines()[-1]), out
 
@@ -94,7 +86,7 @@ def test_length_scale_keeps_the_ideal_prefix_hit_rate(tmp_path, capsys, trace, o
     original = original[cache_block]
     assert 0.2 < original["ideal_prefix_hit_rate"] < 0.6
     out = tmp_path / "small.jsonl"
-    assert kvtune("trace", "convert", trace, out, "--length-scale", scale) == 0
+    assert kvtune_main("trace", "convert", trace, out, "--length-scale", scale) == 0
     capsys.readouterr()
     scaled, text = stats(out, capsys, "--block-size", cache_block)
 

@@ -42,7 +42,8 @@ def add_plan_command(subparsers) -> None:
     d.add_argument("--device", metavar="DEVICE", help=f"{', '.join(DEVICE_PRESETS)} (default: h100-80gb)")
     d.add_argument("--device-memory", type=parse_size, metavar="SIZE", help="device memory, e.g. 80GiB")
     e = p.add_argument_group("engine")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.92, help="(default: %(default)s)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                   help="(default: %(default)s, vLLM's)")
     e.add_argument("--kv-cache-memory-bytes", type=parse_size, metavar="SIZE",
                    help="the KV pool of each GPU (e.g. 4GiB), instead of sizing it from the utilisation")
     e.add_argument("--tensor-parallel-size", type=positive_int, default=1,

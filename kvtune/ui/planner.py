@@ -108,7 +108,8 @@ def render() -> None:
     with left:
         model_args = model_inputs()
         device_args = device_inputs()
-        utilization = st.slider("gpu_memory_utilization", 0.50, 0.99, 0.92, 0.01, key="plan_util")
+        utilization = st.slider("gpu_memory_utilization", 0.50, 0.99, EngineConfig.gpu_memory_utilization, 0.01,
+                                key="plan_util")
         kv_dtype = st.selectbox("kv_cache_dtype", KV_CACHE_DTYPES, key="plan_kv_dtype")
         block_size = st.selectbox("block_size", BLOCK_SIZES, index=1, key="plan_block")
         contexts_text = st.text_input("Context lengths (prompt + output tokens)", DEFAULT_CONTEXTS,
