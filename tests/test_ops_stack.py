@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from grafana import dashboard as grafana_board
+from grafana import dashboard_panels, grafana_to_promql
 from serverproc import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +30,6 @@ DOCKERFILE = ROOT / "Dockerfile"
 PROMETHEUS = ROOT / "dashboards" / "prometheus"
 PROMETHEUS_YML, ALERTS_YML = PROMETHEUS / "prometheus.yml", PROMETHEUS / "alerts.yml"
 GRAFANA = ROOT / "dashboards" / "grafana"
-DASHBOARD = GRAFANA / "kvtune.json"
 VLLM_REFERENCE = Path("/work/shared/reference/vllm.md")
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -413,12 +414,6 @@ def test_grafana_provisioning_points_at_the_stack(compose):
     assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == f"{path}/kvtune.json"
 
 
-def dashboard_panels(dashboard: dict) -> list[dict]:
-    out = []
-    for panel in dashboard["panels"]:
-        out.append(panel)
-        out += panel.get("panels", [])
-    return out
 
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
@@ -434,7 +429,7 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
+    return grafana_board()
 
 
 def test_dashboard_has_vllms_panels_the_kv_cache_and_the_alerts(dashboard):
@@ -470,14 +465,6 @@ def test_dashboard_has_vllms_panels_the_kv_cache_and_the_alerts(dashboard):
         mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not mine & cells, f"{p['title']} overlaps another panel"
         cells |= mine
-
-
-def grafana_to_promql(expr: str) -> str:
-    for var, value in (("$__rate_interval", "1m"), ("$__range", "1h"), ("$__interval", "15s"),
-                       ("$job", ".*"), ("$model_name", ".*")):
-        expr = expr.replace(var, value)
-    assert "$" not in expr, expr
-    return expr
 
 
 @needs_promtool

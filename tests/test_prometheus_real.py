@@ -34,13 +34,14 @@ from kvtune.scrape.prometheus_api import read_range
 from kvtune.targets.process import ManagedServer
 from kvtune.targets.servers import SERVED_NAME, VLLM_MODULE, default_vllm_command
 from promserver import ROOT, PromServer, prometheus_binary, rules_copy, running_prometheus, wait_for
+import grafana
+from grafana import dashboard, panel_queries
 from serverproc import ServerProcess, free_port, scrape
 from vllmserver import ENV as VLLM_ENV
 from vllmserver import START_TIMEOUT_S, TEST_ARGS, vllm_command
 
 pytestmark = pytest.mark.slow
 
-DASHBOARD = ROOT / "dashboards" / "grafana" / "kvtune.json"
 SIM = ("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb")
 ENGINE_MODEL = "llama-3-8b"  # the preset's served name
 # 96 blocks of 16 tokens: a few hundred-token contexts fill it; prompts of 64 tokens get in, grow
@@ -152,25 +153,9 @@ def wait_for_scrape_after(prom: PromServer, instance: str, t: float, timeout_s: 
 # ----------------------------------------------------------------------------------------------
 # The dashboard's queries, as Grafana sends them.
 
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def panel_queries(board: dict) -> list[tuple[dict, dict]]:
-    """(panel, target) for every query of every panel, rows' nested panels included."""
-    panels = [p for top in board["panels"] for p in (top, *top.get("panels", []))]
-    return [(p, t) for p in panels for t in p.get("targets", [])]
-
-
 def grafana_to_promql(expr: str, job: str, model: str, range_s: float) -> str:
-    """Grafana's template variables replaced as Grafana would for one job and one model."""
-    assert re.fullmatch(r"[\w.-]+", job + model), "a name Grafana would have to regex-escape"
-    values = {"$__rate_interval": RATE_INTERVAL, "$__interval": f"{STEP_S:g}s", "$__range": f"{math.ceil(range_s)}s",
-              "$job": job, "$model_name": model}
-    for var in sorted(values, key=len, reverse=True):  # $__range before a shorter name it starts with
-        expr = expr.replace(var, values[var])
-    assert "$" not in expr, f"a template variable the test does not know: {expr}"
-    return expr
+    """The dashboard's query as Grafana sends it to the test Prometheus (1 s scrapes)."""
+    return grafana.grafana_to_promql(expr, job, model, range_s, STEP_S, RATE_INTERVAL)
 
 
 def variable_values(prom: PromServer, board: dict, name: str, job: str) -> set[str]:
