@@ -75,7 +75,7 @@ def normal_draws(cv: float, rng):
 
 def stored_spreads(db: str, study: str) -> dict:
     """The stored search's live runs of the default and of the recommended config: their goodputs."""
-    from kvtune.search.results import load_report_data
+    from kvtune.search.report_data import load_report_data
 
     data = load_report_data(db, study)
     out = {}

@@ -12,7 +12,7 @@ from kvtune.plan import plan_capacity
 from kvtune.report import plots
 from kvtune.results import RunResult
 from kvtune.search.ranking import Measurement
-from kvtune.search.results import RunView
+from kvtune.search.report_data import RunView
 
 SERIES = {"time": [0.0, 0.5, 1.0, 1.5, 2.0], "kv_usage": [0.1, 0.5, None, 0.9, 0.2],
           "num_running": [1, 2, 3, 4, 5], "num_waiting": [0, 0, 1, 0, 0],

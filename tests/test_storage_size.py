@@ -130,7 +130,7 @@ def test_a_summary_run_round_trips_and_every_reader_takes_it(search):
     # the diagnosis counts the requests its series cover, as it would for a scraped server
     assert finished_requests(result, Series(result.series))[0] == 60
     assert all(d.id != "INSUFFICIENT_DATA" for d in diagnose(result))
-    from kvtune.search.results import RunView
+    from kvtune.search.report_data import RunView
     assert kv_over_time([RunView("trial", "sim", run_id, result)]) is not None
     from kvtune.ui import charts
     assert charts.timeline(result.series) is not None
@@ -146,7 +146,7 @@ def test_the_report_builds_from_a_search_stored_so(search):
 def test_the_runs_a_report_shows_come_back_in_full(search):
     """Every run in summary (a search stopped early, or slimmed by another process): the report still
     builds, and keep_full puts the runs it plots and diagnoses back in full, as they were."""
-    from kvtune.search.results import load_report_data
+    from kvtune.search.report_data import load_report_data
     store, stage1, runs, db = search["store"], search["stage1"], search["runs"], search["db"]
     store.slim_runs(runs.values())
     assert store.full_runs(runs.values()) == set()

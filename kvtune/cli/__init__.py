@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 # never imported raised none, so none is imported to check.
 ERRORS = (("kvengine.config", "ConfigError"), ("kvtune.workload.errors", "TraceError"),
           ("kvtune.store", "StoreError"), ("kvtune.search.space", "SpaceError"),
-          ("kvtune.search.study", "StudyError"), ("kvtune.search.results", "ReportError"))
+          ("kvtune.search.study", "StudyError"), ("kvtune.search.report_data", "ReportError"))
 
 
 def _reported(err: BaseException) -> bool:

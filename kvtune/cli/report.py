@@ -20,7 +20,7 @@ def add_report_command(subparsers) -> None:
 
 
 def cmd_report(args) -> int:
-    from ..search.results import ReportError
+    from ..search.report_data import ReportError
     from ..report.writer import write_report
     from ..store import StoreError, resolve_db_url
 

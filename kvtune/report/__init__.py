@@ -6,7 +6,7 @@ is in kvtune/cli/report.py.
 from ..lazy import exports_of, lazy_face
 
 EXPORTS = exports_of({
-    "..search.results": ("ReportError",),
+    "..search.report_data": ("ReportError",),
     ".writer": ("write_report",),
 })
 __getattr__, __dir__ = lazy_face(__name__, EXPORTS)

@@ -33,7 +33,7 @@ from ..plan import (
     workload_contexts,
 )
 from ..results import RunResult
-from ..search.results import RunView
+from ..search.report_data import RunView
 from ..store import RunNotFoundError, Store, StoreError
 from ..workload import TraceError, read_workload
 

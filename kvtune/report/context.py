@@ -17,7 +17,7 @@ from ..diagnose.pool import pool_of
 from ..environment import DISTRIBUTION, package_version
 from ..workload import TraceError, read_workload, workload_stats
 from . import fmt
-from ..search.results import ReportData, RunView
+from ..search.report_data import ReportData, RunView
 from .document import Block, Bullets, Heading, Paragraph, Table
 
 ENVIRONMENT_ATTR = "environment"  # the study's user attr: host_environment() of the search host

@@ -8,7 +8,7 @@ from ..diagnose.report import pool_overview
 from ..results import RunResult
 from ..search.slo import SLO, diagnosis_thresholds
 from ..store import DiagnosisRow, Store
-from ..search.results import RunView
+from ..search.report_data import RunView
 
 
 def stored_or_worked_out(stored: list[DiagnosisRow], result: RunResult, slos: list[SLO],

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..search.results import RunView
+from ..search.report_data import RunView
 from ..search.ranking import SIM_TIE, Measurement, within_tie
 from .words import metric_label
 

@@ -7,7 +7,7 @@ from ..diagnose.report import show
 from ..plan import CapacityPlan, is_one_byte
 from . import fmt, plots
 from .capacity import Capacity
-from ..search.results import ReportData, RunView
+from ..search.report_data import ReportData, RunView
 from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
 from .importance import Importance
 from ..search.advice import describe

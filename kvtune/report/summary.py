@@ -9,7 +9,7 @@ from collections import Counter
 
 from ..diagnose import Diagnosis
 from . import fmt
-from ..search.results import ReportData
+from ..search.report_data import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
 from ..search.advice import headline, where

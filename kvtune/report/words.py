@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..search.slo import SLO
 from . import fmt
-from ..search.results import StudyInfo
+from ..search.report_data import StudyInfo
 from ..search.ranking import FAILED_REQUESTS, Measurement, Miss
 
 OBJECTIVES = {

@@ -7,7 +7,7 @@ from kvengine.config import DTYPE_BYTES, EngineConfig
 
 from .capacity import capacity_for
 from .context import context_section
-from ..search.results import ReportData, RunView, load_report_data
+from ..search.report_data import ReportData, RunView, load_report_data
 from .diagnoses import pool_lines, run_diagnoses
 from .document import Block, Image
 from .html import render_html

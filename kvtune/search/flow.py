@@ -19,7 +19,7 @@ from ..store import Store, StoreError
 from ..targets import SimTarget, TargetRunError, TargetStartError
 from ..workload import Workload, head
 from .objective import Objective
-from .results import ReportData, load_report_data
+from .report_data import ReportData, load_report_data
 from .slo import diagnosis_thresholds
 from .space import SearchSpace, tensor_parallel_knob
 from .stage2 import (

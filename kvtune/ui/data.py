@@ -16,7 +16,7 @@ import streamlit as st
 from sqlalchemy.engine import make_url
 
 from ..diagnose import Diagnosis
-from ..search.results import ReportData, load_report_data
+from ..search.report_data import ReportData, load_report_data
 from ..report.diagnoses import stored_or_worked_out
 from ..report.importance import Importance, param_importance
 from ..report.words import value_label

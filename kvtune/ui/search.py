@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from kvtune.report import fmt
-from kvtune.search.results import ReportData, ReportError
+from kvtune.search.report_data import ReportData, ReportError
 from kvtune.report.launch import launch_commands, model_export
 from kvtune.targets.sim import engine_config
 from kvtune.report.sections import trial_note
