@@ -1,5 +1,5 @@
 """A study's live runs as the ranking reads them: stage 2 reads them to resume where it stopped,
-the report and the UI (`results.load_report_data`) to show them. One reader for both, so a
+the report and the UI (`report_data.load_report_data`) to show them. One reader for both, so a
 resumed stage 2 counts exactly the runs the report shows."""
 from __future__ import annotations
 
