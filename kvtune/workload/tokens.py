@@ -89,7 +89,7 @@ def _positions(n: int) -> np.ndarray:
     return _positions_cache[:n]
 
 
-def hash_block_tokens(hash_ids, input_length: int, hash_block_size: int) -> np.ndarray:
+def tokens_of_hash_blocks(hash_ids, input_length: int, hash_block_size: int) -> np.ndarray:
     """Tokens for a prompt made of `hash_ids` blocks, cut to `input_length`."""
     seeds = splitmix64(np.asarray(hash_ids, dtype=np.uint64) ^ _HASH_SALT)
     grid = seeds[:, None] + _positions(hash_block_size)[None, :]
@@ -114,7 +114,7 @@ def prompt_token_array(req: TraceRequest, hash_block_size: int = DEFAULT_HASH_BL
     if req.prompt_token_ids is not None:
         return np.asarray(req.prompt_token_ids, dtype=np.uint64)
     if req.hash_ids is not None:
-        return hash_block_tokens(req.hash_ids, req.input_length, hash_block_size)
+        return tokens_of_hash_blocks(req.hash_ids, req.input_length, hash_block_size)
     if req.prompt is not None:
         tokens = byte_token_ids(req.prompt)
         if len(tokens) == req.input_length:
