@@ -143,13 +143,13 @@ class ServerPool:
 
 def server_pool_of(config: dict) -> ServerPool | None:
     """The pool a live run's server reported (num_gpu_blocks, or kv_cache_size_tokens, and block_size)."""
-    block_size, blocks = _label_int(config.get("block_size")), _label_int(config.get("num_gpu_blocks"))
-    tokens = _label_int(config.get("kv_cache_size_tokens"))
+    block_size, blocks = label_int(config.get("block_size")), label_int(config.get("num_gpu_blocks"))
+    tokens = label_int(config.get("kv_cache_size_tokens"))
     if block_size and not blocks and tokens:
         blocks = tokens // block_size
     if not block_size or not blocks:
         return None
-    pool_bytes = _label_int(config.get("kv_cache_memory_bytes"))
+    pool_bytes = label_int(config.get("kv_cache_memory_bytes"))
     env = config.get("launch_env") or {}
     if env.get(CPU_KV_SPACE_ENV) is not None:
         set_by = f"set by {CPU_KV_SPACE_ENV}={env[CPU_KV_SPACE_ENV]}"
@@ -164,7 +164,7 @@ def server_pool_of(config: dict) -> ServerPool | None:
     return ServerPool(blocks, block_size, str(config.get("kv_cache_dtype") or "auto"), pool_bytes, set_by)
 
 
-def _label_int(value) -> int | None:
+def label_int(value) -> int | None:
     """A config value or info label ("8", 8) as a positive integer; None for anything else."""
     if isinstance(value, bool) or value is None:
         return None

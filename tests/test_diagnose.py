@@ -15,7 +15,7 @@ from kvengine.executor.cost import CostCoefficients
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvengine.core.memory import max_concurrency, plan_memory
 from kvtune.diagnose import INSUFFICIENT_DATA, Thresholds, diagnose
-from kvtune.diagnose.report import format_diagnoses
+from kvtune.diagnose.render import format_diagnoses
 from kvtune.results import RunResult
 from kvtune.targets import SimTarget, TargetStartError
 from kvtune.targets.sim import config_dict

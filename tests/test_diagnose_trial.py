@@ -12,7 +12,7 @@ from functools import cache
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvtune.diagnose import FlagChange, Thresholds, diagnose
 from kvtune.diagnose.model import HELPED, NO_HELP, UNTESTED, Diagnosis
-from kvtune.diagnose.report import format_diagnoses
+from kvtune.diagnose.render import format_diagnoses
 from kvtune.diagnose.trial import Simulator, changed_config, mirrored_config, try_fixes
 from kvtune.results import RunResult
 from kvtune.store import Store

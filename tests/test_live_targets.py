@@ -10,7 +10,7 @@ import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvtune.diagnose import Thresholds
 from kvtune.diagnose.facts import gather
-from kvtune.diagnose.report import pool_overview
+from kvtune.diagnose.render import pool_overview
 from kvtune.store import Store
 from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunError, TargetStartError,
                             UrlTarget, VllmTarget)

@@ -15,7 +15,7 @@ import pytest
 
 from kvtune.diagnose import Thresholds, diagnose
 from kvtune.diagnose.facts import gather
-from kvtune.diagnose.report import pool_overview
+from kvtune.diagnose.render import pool_overview
 from kvtune.report import fmt
 from kvtune.results import RunResult, bound_text, quantile_bound
 from kvtune.cli.run import format_summary

@@ -17,7 +17,7 @@ from ..workload import FORMATS, read_workload, workload_stats
 from ..store import Store, StoreError, resolve_db_url
 from ..diagnose.facts import gather
 from ..diagnose.model import Diagnosis, Thresholds
-from ..diagnose.report import format_diagnoses, pool_overview, run_title
+from ..diagnose.render import format_diagnoses, pool_overview, run_title
 from ..diagnose.signals import Series
 from ..diagnose.trial import Simulator, diagnosed, simulator_for
 from ..targets.watch import WatchError, history, result_from_scrape, watch

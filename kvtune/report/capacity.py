@@ -26,9 +26,9 @@ from ..plan import (
     ServerPool,
     element_bytes_from,
     is_one_byte,
+    label_int,
     plan_capacity,
     plan_server_pool,
-    positive_int,
     server_pool_of,
     workload_contexts,
 )
@@ -71,7 +71,7 @@ def _live_capacity(pool: ServerPool, run: RunView, config: EngineConfig, preset:
                    contexts: dict[str, int], source: str, db_url: str | None,
                    live_run_ids: list[int | None]) -> Capacity:
     model = _model(preset)
-    max_len = (positive_int(run.result.config.get("max_model_len")) or config.max_model_len
+    max_len = (label_int(run.result.config.get("max_model_len")) or config.max_model_len
                or (model.max_position_embeddings if model is not None else None))
     hint, hint_source = (None, "")
     if is_one_byte(pool.kv_cache_dtype):  # its pool says nothing of `auto`'s bytes: ask the study's auto runs

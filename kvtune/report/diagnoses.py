@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..diagnose import Diagnosis, diagnose
 from ..diagnose.facts import gather
-from ..diagnose.report import pool_overview
+from ..diagnose.render import pool_overview
 from ..results import RunResult
 from ..search.slo import SLO, diagnosis_thresholds
 from ..store import DiagnosisRow, Store

@@ -3,7 +3,7 @@ capacity, the quantized-KV quality note and every trial."""
 from __future__ import annotations
 
 from ..diagnose import Diagnosis
-from ..diagnose.report import show
+from ..diagnose.render import show
 from ..plan import CapacityPlan, is_one_byte
 from . import fmt, plots
 from .capacity import Capacity

@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from ..diagnose import SEVERITIES, Diagnosis
-from ..diagnose.report import show
+from ..diagnose.render import show
 from ..store import RunSummaryRow
 from .data import Database
 
