@@ -67,9 +67,9 @@ def _onednn_ok(dtype: torch.dtype) -> bool:
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     """`onednn` (pre-packed weights, as vLLM's CPU backend) or `torch` (F.linear).
 
-    On this project's 2-core AMD EPYC box oneDNN runs the tiny model's
-    matmuls about 2x faster than MKL's sgemm behind F.linear (the lm_head at 32
-    rows: 2.9 ms against 7.7 ms). KVENGINE_LINEAR_BACKEND=torch forces F.linear.
+    oneDNN's pre-packed weights skip the per-call packing MKL's sgemm behind F.linear
+    does, which dominates a small model's matmuls on the CPU.
+    KVENGINE_LINEAR_BACKEND=torch forces F.linear.
     """
     choice = os.environ.get("KVENGINE_LINEAR_BACKEND", "auto")
     if choice not in ("auto", "onednn", "torch"):
