@@ -1,6 +1,5 @@
 """`kvtune diagnose`: a stored run end to end (diagnoses stored back), a failed run, a live server
 watched over its /metrics, and the exit codes on bad input."""
-import argparse
 import json
 import signal
 import subprocess
@@ -87,17 +86,6 @@ def test_thresholds_from_the_command_line_change_the_verdict(db, capsys):
     run_id = Store(db).save_run(preemption_run())
     assert kvtune_diagnose("--run", str(run_id), "--db", db, "--json", "--threshold", "min_preemptions=100000") == 0
     assert "F6" not in [d["id"] for d in last_json(capsys)["diagnoses"]]
-
-
-def test_kvtune_main_runs_diagnose_once_wired(db, capsys):
-    from kvtune import cli
-    parser = cli.build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    if "diagnose" not in commands:
-        pytest.skip("`kvtune diagnose` is not wired into kvtune/cli.py yet (add_diagnose_command)")
-    run_id = Store(db).save_run(preemption_run())
-    assert cli.main(["diagnose", "--run", str(run_id), "--db", db, "--json"]) == 0
-    assert "F6" in [d["id"] for d in last_json(capsys)["diagnoses"]]
 
 
 def test_nvml_samples_line_up_with_the_scrapes():

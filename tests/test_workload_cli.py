@@ -1,5 +1,5 @@
-"""`kvtune trace stats | convert | synth`, end to end through a parser built the
-way kvtune/cli.py builds its own."""
+"""`kvtune trace stats | convert | synth`, end to end through kvtune's own entry point
+(`kvtune.cli.main`, in this process)."""
 from __future__ import annotations
 
 import json
