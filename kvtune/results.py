@@ -18,6 +18,12 @@ LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
 QUANTILES = (50, 95, 99)
 
 
+
+# The summary figures every run row carries as columns (kvtune.store): what a list of runs, the
+# ranking's means over repeats and the report's tables read without loading a run's records.
+SUMMARY_FIGURES = ("requests", "completed", "throughput_rps", "output_tok_s", "ttft_p95", "tpot_p95",
+                   "e2e_p95", "prefix_hit_rate", "kv_usage_peak", "preemptions")
+
 @dataclass
 class RequestRecord:
     request_id: str

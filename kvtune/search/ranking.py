@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..store import SUMMARY_FIGURES
+from ..results import SUMMARY_FIGURES
 from .slo import SLO
 from .space import change_cost
 from .stats import Interval, holm, interval, welch
