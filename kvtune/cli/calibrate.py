@@ -18,7 +18,7 @@ from .commands import COMMANDS
 from .args import add_db_argument
 from ..store import Store, resolve_db_url
 from ..targets import TargetStartError
-from .target import add_server_flags, live_target, refuse_unservable, simulated_model
+from .target import add_server_flags, live_target, refuse_unservable, simulated_model_device
 from .args import name_or_url, positive_float, positive_int
 from ..calibrate.probes import (
     CalibrationError,
@@ -29,9 +29,6 @@ from ..calibrate.session import calibrate_target, calibrate_url, format_profile
 
 TARGETS = ("engine", "vllm", "sglang")
 QUANTIZED_KV = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
-# Per target (and engine executor): the model and device presets when none is given.
-DEFAULT_SPECS = {"engine:torch": ("tiny", "cpu"), "engine:sim": ("llama-3-8b", "h100-80gb")}
-FALLBACK_SPECS = ("llama-3-8b", "h100-80gb")
 
 
 def add_calibrate_command(sub) -> None:
@@ -52,8 +49,9 @@ def add_calibrate_command(sub) -> None:
                    help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
     g.add_argument("--preset", metavar="MODEL", help="model preset of the served model (default: tiny for the "
                                                      "engine's torch executor, else llama-3-8b)")
-    g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for the engine's torch "
-                                                      "executor, else h100-80gb); the engine's torch executor "
+    g.add_argument("--device", metavar="DEVICE", help="device preset (default: cpu for a server kvtune starts "
+                                                      "on this CPU, the engine's torch executor or vLLM's CPU "
+                                                      "build, else h100-80gb); the engine's torch executor "
                                                       "runs on CUDA under a GPU preset (h200-141gb, ...)")
     g.add_argument("--executor", choices=("torch", "sim"), default="torch",
                    help="the engine target's executor (default: %(default)s)")
@@ -97,9 +95,7 @@ def default_name(target: str, executor: str | None, preset: str, device: str) ->
 
 
 def cmd_calibrate(args) -> int:
-    key = f"engine:{args.executor}" if args.target == "engine" else args.target
-    preset, device = DEFAULT_SPECS.get(key, FALLBACK_SPECS)
-    preset, device = simulated_model(args, preset), args.device or device
+    preset, device = simulated_model_device(args)
     model = model_preset(preset)  # unknown presets, or one that is not the served model, fail before anything starts
     device_preset(device)
     config = config_from_args(args)

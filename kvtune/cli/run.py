@@ -17,16 +17,13 @@ from ..report.fmt import on_gpus
 from ..results import RunResult
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
-from .target import add_server_flags, live_target, refuse_unservable, simulated_model
+from .target import add_server_flags, live_target, refuse_unservable, simulated_model, simulated_model_device
 from ..stopping import failure_reason
 from ..targets.sim import config_dict
 from ..workload import FORMATS, head, rate_scale, read_workload
 from .args import add_max_concurrency, name_or_url, positive_float, positive_int
 
 TARGETS = ("sim", "engine", "vllm", "sglang")
-# Per target (and engine executor): the model and device presets when none is given.
-DEFAULT_SPECS = {"sim": ("llama-3-8b", "h100-80gb"), "engine:torch": ("tiny", "cpu"),
-                 "engine:sim": ("llama-3-8b", "h100-80gb")}
 
 
 def add_run_command(sub) -> None:
@@ -67,9 +64,10 @@ def add_run_command(sub) -> None:
 
 def build_target(args):
     """The target the flags name, and the (model, device) labels it runs."""
-    key = f"engine:{args.executor}" if args.target == "engine" else args.target
-    preset, device = DEFAULT_SPECS.get(key, (None, None))
-    preset, device = simulated_model(args, preset), args.device or device
+    if args.target in ("sim", "engine"):  # what it simulates, or serves
+        preset, device = simulated_model_device(args)
+    else:  # vLLM and SGLang serve their --model, on their own device
+        preset, device = simulated_model(args, None), args.device
     if args.target == "sim":
         if args.profile:
             profile = get_profile(args.db, args.profile)

@@ -14,7 +14,7 @@ from .args import add_db_argument
 from ..calibrate import get_profile
 from ..store import resolve_db_url
 from ..targets import SimTarget
-from .target import add_server_flags, live_target, serves_on_cpu, simulated_model
+from .target import add_server_flags, live_target, simulated_model_device
 from ..workload import FORMATS, read_workload
 from .args import add_max_concurrency, positive_float, positive_int
 from ..search.flow import SearchError, SearchRequest, run_search
@@ -147,13 +147,11 @@ def _search(args, live_targets: list) -> int:
                   f"that is optimistic. `kvtune calibrate --quantized-kv {untimed[0]}` times it")
     else:
         try:
-            torch_engine = args.target == "engine" and args.executor == "torch"  # it serves `tiny` unless --model
-            args.preset = simulated_model(args, "tiny" if torch_engine else "llama-3-8b")
-            if args.device is None:
-                args.device = "cpu" if serves_on_cpu(args) else "h100-80gb"
-                if args.device == "cpu":
-                    print("note: the live server runs on this CPU: stage 1 simulates the `cpu` preset, a rough "
-                          "estimate; `kvtune calibrate` fits its timings (then --profile NAME)")
+            asked = args.device
+            args.preset, args.device = simulated_model_device(args)
+            if asked is None and args.device == "cpu":
+                print("note: the live server runs on this CPU: stage 1 simulates the `cpu` preset, a rough "
+                      "estimate; `kvtune calibrate` fits its timings (then --profile NAME)")
             sim = SimTarget(model_preset(args.preset), device_preset(args.device))
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)

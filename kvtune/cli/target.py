@@ -177,5 +177,19 @@ def serves_on_cpu(args) -> bool:
     if args.target == "vllm":
         from ..targets.servers import default_vllm_command
         from ..targets.rules import vllm_platform
-        return (args.vllm_platform or vllm_platform(args.vllm_command or default_vllm_command())) == "cpu"
+        command = getattr(args, "vllm_command", None) or default_vllm_command()
+        return (getattr(args, "vllm_platform", None) or vllm_platform(command)) == "cpu"
     return args.target == "engine" and getattr(args, "executor", None) == "torch"
+
+
+DEFAULT_MODEL, DEFAULT_DEVICE = "llama-3-8b", "h100-80gb"  # a GPU deployment's, where nothing says otherwise
+
+
+def simulated_model_device(args) -> tuple[str, str]:
+    """The one policy for the model and device presets the simulator runs for a command (search's
+    stage 1, a calibrated profile, `run --target sim`), where the flags give none: the served
+    checkpoint's config.json (`simulated_model`), else `tiny` for kvengine's torch executor (what it
+    serves), else DEFAULT_MODEL; `cpu` for a server kvtune starts on this CPU, else DEFAULT_DEVICE."""
+    torch_engine = args.target == "engine" and getattr(args, "executor", None) == "torch"
+    preset = simulated_model(args, "tiny" if torch_engine else DEFAULT_MODEL)
+    return preset, args.device or ("cpu" if serves_on_cpu(args) else DEFAULT_DEVICE)
