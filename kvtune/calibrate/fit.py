@@ -20,6 +20,7 @@ refuses it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -395,8 +396,6 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     cache reads fewer bytes through the same kernel and tells them apart. Chosen on the
     server's own dtype alone, the decode-kernel split priced a faster fp8 cache as slow as the
     unquantized one, which no dequantization term (>= 0) undoes, and the fp8 pass was refused."""
-    from scipy.optimize import least_squares  # here: only calibration pays scipy's import
-
     base = base or CostCoefficients()
     obs, dropped = _usable(observations)
     if len(obs) < len(FITTED) + 1:
@@ -404,12 +403,62 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     clients = []
     if fit_client_overhead:
         clients = [CLIENT] + ([CLIENT_BUSY] if any(o.client == "busy" for o in obs) else [])
-    measured, scale = _weighed(obs, noise_floor)
+    problem = _Problem(shapes, obs, *_weighed(obs, noise_floor), model, device, kv_cache_dtype, block_size, loss)
     tied = dataclasses.replace(base, **dict.fromkeys(TIED_TO))
+    # Without the server's own prefill times, an isolated TTFT only gives per-prefill +
+    # client overhead, and a busy arrival's overhead would slide along that line with them.
+    timed = any(o.measure == PREFILL_TIME for o in obs)
+    names = [n for n in (*FITTED, *clients) if timed or n != BUSY_ARRIVAL]
+    shared = problem.solve(names, _starts(base, obs), tied)
+    extra = _QuantizedCost(quantized, model, device, loss, noise_floor)
+    fit, costs = _chosen_splits(problem, shared, split_gain, extra)
+    times = step_times(shapes, model, device, kv_cache_dtype, block_size, fit.coeffs)
+    for o, p in zip(obs, predict(obs, times, fit.client, fit.busy)):
+        o.predicted_s = float(p)
+    roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
+    initial = residual_summary(obs, predict(obs, roofline, 0.0))
+    if quantized is not None:
+        costs["quantized_cost"] = extra(fit)
+    return FitResult(fit.coeffs, float(fit.client), float(fit.busy), obs, fit.cost, int(fit.sol.nfev),
+                     str(fit.sol.message), initial, costs, dropped)
 
-    def solve(names: list[str], starts, fixed: CostCoefficients = tied) -> tuple:
-        lo = np.log([BOUNDS[n][0] for n in names])
-        hi = np.log([BOUNDS[n][1] for n in names])
+
+@dataclass
+class _Solved:
+    """One least-squares solve: the coefficients it freed, those it held, and where it landed."""
+    free: list[str]
+    fixed: CostCoefficients
+    sol: object  # scipy's OptimizeResult: cost, fun (the weighed residuals), nfev, message
+    coeffs: CostCoefficients
+    client: float
+    busy: float
+
+    @property
+    def cost(self) -> float:
+        return float(self.sol.cost)
+
+    def values(self) -> dict:
+        return {**self.coeffs.to_dict(), CLIENT: self.client, CLIENT_BUSY: self.busy}
+
+
+@dataclass
+class _Problem:
+    """What every solve of one fit shares: the timings and their steps, their weights, the server."""
+    shapes: np.ndarray
+    obs: list[Observation]
+    measured: np.ndarray
+    scale: np.ndarray
+    model: ModelSpec
+    device: DeviceSpec
+    kv_cache_dtype: str
+    block_size: int
+    loss: str
+
+    def solve(self, names: list[str], starts, fixed: CostCoefficients) -> _Solved:
+        """The best of least_squares from each start, over the log of `names`, `fixed` holding the rest."""
+        from scipy.optimize import least_squares  # here: only calibration pays scipy's import
+
+        lo, hi = np.log([BOUNDS[n][0] for n in names]), np.log([BOUNDS[n][1] for n in names])
 
         def unpack(x):
             values = dict(zip(names, np.exp(x)))
@@ -418,75 +467,74 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
 
         def residuals(x):
             coeffs, client, busy = unpack(x)
-            times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
-            return (predict(obs, times, client, busy) / measured - 1.0) / scale
+            times = step_times(self.shapes, self.model, self.device, self.kv_cache_dtype, self.block_size, coeffs)
+            return (predict(self.obs, times, client, busy) / self.measured - 1.0) / self.scale
 
         best = None
         for start in starts:
             x0 = np.clip(np.log([start[n] for n in names]), lo + 1e-9, hi - 1e-9)
             try:
-                sol = least_squares(residuals, x0, bounds=(lo, hi), loss=loss, f_scale=F_SCALE, x_scale=1.0,
+                sol = least_squares(residuals, x0, bounds=(lo, hi), loss=self.loss, f_scale=F_SCALE, x_scale=1.0,
                                     diff_step=1e-4, max_nfev=400)
             except ValueError as err:
                 raise CalibrationError(f"the fit failed: {err}") from None
             if best is None or sol.cost < best.cost:
                 best = sol
-        return best, *unpack(best.x)
+        return _Solved(list(names), fixed, best, *unpack(best.x))
 
-    # Without the server's own prefill times, an isolated TTFT only gives per-prefill +
-    # client overhead, and a busy arrival's overhead would slide along that line with them.
-    timed = any(o.measure == PREFILL_TIME for o in obs)
-    names = [n for n in (*FITTED, *clients) if timed or n != BUSY_ARRIVAL]
-    shared = solve(names, _starts(base, obs))
+    def split_kv(self, fit: _Solved) -> _Solved:
+        """`fit` with the K/V reads' bandwidth share freed. It keeps the weights' bandwidth share of
+        `fit`: on memory-bound steps the weights' read time and the step overhead are one constant,
+        and freed together they slide along that valley wherever the timings are noisy."""
+        fixed = dataclasses.replace(fit.fixed, memory_efficiency=fit.coeffs.memory_efficiency)
+        free = [n for n in fit.free if n != "memory_efficiency"] + [KV]
+        starts = [{**fit.values(), KV: fit.coeffs.memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)]
+        return self.solve(free, starts, fixed)
 
-    def values(fit) -> dict:
-        return {**fit[1].to_dict(), CLIENT: fit[2], CLIENT_BUSY: fit[3]}
+    def split_attention(self, name: str, fit: _Solved) -> _Solved:
+        """`fit` with another kernel than the fresh prefill's flash attention at its own share of
+        peak: on a CPU the paged decode kernel, or sdpa with a gathered context and a mask."""
+        starts = [{**fit.values(), name: fit.coeffs.attention_efficiency * f} for f in (1.0, 0.3, 3.0, 0.1)]
+        return self.solve([*fit.free, name], starts, fit.fixed)
 
-    def split_kv(names, fixed, fit):
-        # The split keeps the weights' bandwidth share of the fit it starts from: on
-        # memory-bound steps the weights' read time and the step overhead are one constant,
-        # and freed together they slide along that valley wherever the timings are noisy.
-        fixed = dataclasses.replace(fixed, memory_efficiency=fit[1].memory_efficiency)
-        free = [n for n in names if n != "memory_efficiency"] + [KV]
-        starts = [{**values(fit), KV: fit[1].memory_efficiency * f} for f in (1.0, 0.3, 0.1, 0.03)]
-        return free, fixed, solve(free, starts, fixed)
+    def priced_by(self, name: str) -> np.ndarray:
+        """The timings whose steps a split prices: all for the K/V reads, those with its pairs for
+        an attention split (a kernel a few probes show would never cut the whole cost)."""
+        if name == KV:
+            return np.ones(len(self.obs), dtype=bool)
+        column = STEP_SHAPE_FIELDS.index(SPLIT_PAIRS[name])
+        return np.array([self.shapes[o.steps, column].any() for o in self.obs])
 
-    def split_attention(name):
-        # Another kernel than the fresh prefill's flash attention, at its own share of peak:
-        # on a CPU the paged decode kernel, or sdpa with a gathered context and a mask.
-        def split(names, fixed, fit):
-            free = [*names, name]
-            starts = [{**values(fit), name: fit[1].attention_efficiency * f} for f in (1.0, 0.3, 3.0, 0.1)]
-            return free, fixed, solve(free, starts, fixed)
-        return split
 
-    first = {KV: split_kv(names, tied, shared)}
-    if first[KV][2][0].cost < split_gain * shared[0].cost:
+SPLIT_PAIRS = {DECODE_ATTN: "decode_token_pairs", CONTEXT_ATTN: "context_chunk_pairs"}  # the pairs each prices
+
+
+def _chosen_splits(problem: _Problem, shared: _Solved, split_gain: float, extra) -> tuple[_Solved, dict]:
+    """fit_coefficients' forward selection from the shared fit: each round tries every split left,
+    judges each on the timings it prices (and the quantized ones, `extra`), and keeps the best one
+    that cuts their cost below `split_gain` and by more than SPLIT_MIN_RMS where it prices. The fit
+    chosen, and each candidate's cost."""
+    first = {KV: problem.split_kv(shared)}
+    if first[KV].cost < split_gain * shared.cost:
         # Before splitting, give the shared fit the split's solution to start from, at either
         # of its two bandwidths: it may only have missed that basin.
-        found = values(first[KV][2])
-        retry = solve(names, [{**found, "memory_efficiency": found[KV]}, found])
-        if retry[0].cost < shared[0].cost:
+        found = first[KV].values()
+        retry = problem.solve(shared.free, [{**found, "memory_efficiency": found[KV]}, found], shared.fixed)
+        if retry.cost < shared.cost:
             shared, first = retry, {}
-    # A split is judged on the timings whose steps it prices (the attention splits' pairs):
-    # a kernel a few probes show would never cut the whole cost.
-    everywhere = np.ones(len(obs), dtype=bool)
-    fit, left, judged = (names, tied, shared), {KV: split_kv}, {KV: everywhere}
-    for name, pairs in ((DECODE_ATTN, "decode_token_pairs"), (CONTEXT_ATTN, "context_chunk_pairs")):
-        column = STEP_SHAPE_FIELDS.index(pairs)
-        shows = np.array([shapes[o.steps, column].any() for o in obs])
-        if shows.any():
-            left[name], judged[name] = split_attention(name), shows
-    costs = {"shared_cost": float(shared[0].cost)}
-    extra = _QuantizedCost(quantized, model, device, loss, noise_floor)
+    left = {KV: problem.split_kv}
+    for name in SPLIT_PAIRS:
+        if problem.priced_by(name).any():
+            left[name] = functools.partial(problem.split_attention, name)
+    judged = {name: problem.priced_by(name) for name in left}
     counted = {name: judged[name].sum() + extra.judged(name).sum() for name in left}
+    fit, costs, loss = shared, {"shared_cost": shared.cost}, problem.loss
     while left:
-        tried = {name: first.pop(name, None) or split(*fit) for name, split in left.items()}
+        tried = {name: first.pop(name, None) or split(fit) for name, split in left.items()}
         for name, candidate in tried.items():
-            costs.setdefault(f"{name}_split_cost", float(candidate[2][0].cost))  # each from the shared fit
-        before = {name: _cost(fit[2][0], judged[name], loss) + extra(fit[2], name) for name in tried}
-        after = {name: _cost(candidate[2][0], judged[name], loss) + extra(candidate[2], name)
-                 for name, candidate in tried.items()}
+            costs.setdefault(f"{name}_split_cost", candidate.cost)  # each from the shared fit
+        before = {name: _cost(fit.sol, judged[name], loss) + extra(fit, name) for name in tried}
+        after = {name: _cost(c.sol, judged[name], loss) + extra(c, name) for name, c in tried.items()}
         # Not for a misfit under SPLIT_MIN_RMS (a relative error) where it prices: nothing to split.
         worth = [name for name in tried if after[name] < split_gain * before[name]
                  and before[name] - after[name] > 0.5 * counted[name] * SPLIT_MIN_RMS ** 2]
@@ -495,16 +543,7 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
         name = min(worth, key=lambda n: after[n] / before[n])
         fit = tried[name]
         del left[name]
-    best, coeffs, client, busy = fit[2]
-    times = step_times(shapes, model, device, kv_cache_dtype, block_size, coeffs)
-    for o, p in zip(obs, predict(obs, times, client, busy)):
-        o.predicted_s = float(p)
-    roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
-    initial = residual_summary(obs, predict(obs, roofline, 0.0))
-    if quantized is not None:
-        costs["quantized_cost"] = extra(fit[2])
-    return FitResult(coeffs, float(client), float(busy), obs, float(best.cost), int(best.nfev), str(best.message),
-                     initial, costs, dropped)
+    return fit, costs
 
 
 DEQUANT = ("quantized_step_overhead_s", "kv_dequant_per_element_s")  # the terms a quantized cache adds
@@ -587,20 +626,19 @@ class _QuantizedCost:
         if quantized is not None:
             obs, _ = _usable(quantized.observations)
             self.masks[KV] = np.ones(len(obs), dtype=bool)
-            for name, pairs in ((DECODE_ATTN, "decode_token_pairs"), (CONTEXT_ATTN, "context_chunk_pairs")):
+            for name, pairs in SPLIT_PAIRS.items():
                 column = STEP_SHAPE_FIELDS.index(pairs)
                 self.masks[name] = np.array([quantized.shapes[o.steps, column].any() for o in obs], dtype=bool)
 
     def judged(self, name: str) -> np.ndarray:
         return self.masks.get(name, np.zeros(0, dtype=bool))
 
-    def __call__(self, fitted: tuple, name: str | None = None) -> float:
-        """`fitted`: a solve's (solution, coefficients, client overhead, busy client overhead)."""
+    def __call__(self, fitted: _Solved, name: str | None = None) -> float:
         if self.quantized is None:
             return 0.0
         q = self.quantized
         fit = fit_dequant(q.shapes, q.observations, self.model, self.device, q.kv_cache_dtype, q.block_size,
-                          fitted[1], fitted[2], fitted[3], self.noise_floor)
+                          fitted.coeffs, fitted.client, fitted.busy, self.noise_floor)
         measured, scale = _weighed(fit.observations, self.noise_floor)
         residuals = (np.array([o.predicted_s for o in fit.observations]) / measured - 1.0) / scale
         return _robust_cost(residuals if name is None else residuals[self.masks[name]], self.loss)
