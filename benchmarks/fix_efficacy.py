@@ -49,7 +49,7 @@ from kvtune.diagnose.trial import Simulator, apply_change, diagnosed, problems, 
 from kvtune.results import RunResult
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget, TargetRunError, TargetStartError
 from kvtune.targets.rules import CPU_KV_SPACE_ENV
-from kvtune.targets.sim import config_dict
+from kvtune.results import config_dict
 from kvtune.workload import IntDist, SynthSpec, TraceRequest, Workload, synthesize, workload_stats
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,6 +32,7 @@ from kvengine.config import (
 from kvengine.core.memory import (KVCacheMemoryError, kv_bytes_per_token, kv_elements_per_token, max_concurrency,
                                   plan_memory, served_shard)
 
+from .results import Launch
 from .targets.rules import CPU_KV_SPACE_ENV
 from .workload import Workload
 
@@ -150,7 +151,7 @@ def server_pool_of(config: dict) -> ServerPool | None:
     if not block_size or not blocks:
         return None
     pool_bytes = label_int(config.get("kv_cache_memory_bytes"))
-    env = config.get("launch_env") or {}
+    env = launch.env if (launch := Launch.of(config)) else {}
     if env.get(CPU_KV_SPACE_ENV) is not None:
         set_by = f"set by {CPU_KV_SPACE_ENV}={env[CPU_KV_SPACE_ENV]}"
     elif pool_bytes:

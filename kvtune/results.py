@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from kvengine.config import EngineConfig
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
 QUANTILES = (50, 95, 99)
@@ -43,6 +45,39 @@ class RequestRecord:
     @property
     def ok(self) -> bool:
         return self.error is None and self.ttft_s is not None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the measured server was started, kept with a run beside its knobs: the launch line a
+    report prints repeats it, and a diagnosis proposes only what that server takes. A run stores it
+    flat in its config (`stored`; `of` reads it back), so rows written before it read the same."""
+    server: str  # engine | vllm | sglang ("" in a run stored without it)
+    args: str = ""  # the extra server flags it was given (--server-args)
+    env: dict = field(default_factory=dict)  # the server's environment that sizes or shapes it
+    module: str | None = None  # vLLM run as `python -m MODULE` rather than `vllm serve`
+    executor: str | None = None  # kvengine's executor
+    block_sizes: tuple[int, ...] = ()  # the block sizes that server takes
+    _STORED = ("launch_server", "launch_args", "launch_env", "launch_module", "server_block_sizes")
+
+    def stored(self) -> dict:
+        out = {"launch_server": self.server, "launch_args": self.args, "launch_env": dict(self.env),
+               "server_block_sizes": list(self.block_sizes)}
+        if self.module:
+            out["launch_module"] = self.module
+        if self.executor:
+            out["executor"] = self.executor
+        return out
+
+    @classmethod
+    def of(cls, config: dict | None) -> "Launch | None":
+        """The launch a run's stored config records; None for a run whose server kvtune did not start."""
+        config = config or {}
+        if not any(key in config for key in cls._STORED):
+            return None
+        return cls(config.get("launch_server") or "", config.get("launch_args") or "", dict(config.get("launch_env") or {}),
+                   config.get("launch_module"), config.get("executor"),
+                   tuple(config.get("server_block_sizes") or ()))
 
 
 @dataclass
@@ -151,3 +186,22 @@ def _time_weighted_mean(values: list[float], durations: list[float] | None) -> f
     if not durations or sum(durations) == 0:
         return float(np.mean(values))
     return float(np.dot(values, durations) / sum(durations))
+
+
+def config_dict(config: EngineConfig) -> dict:
+    """A config as a run stores it; `engine_config` reads it back."""
+    return {k: v for k, v in vars(config).items() if k != "extra"}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
+
+
+def engine_config(stored: dict | None, params: dict | None = None, **changes) -> EngineConfig:
+    """The config a run's stored dict describes, `params` (a trial's knobs) and `changes` on top.
+
+    Other keys (launch_env, a URL target's labels) are left out. A knob stored as None (the server
+    did not say) takes EngineConfig's default where that is not None: block_size 16, vLLM's on
+    GPUs, is the one place that default is assumed."""
+    merged = {**(stored or {}), **(params or {}), **changes}
+    known = {k: v for k, v in merged.items() if k in _FIELDS}
+    return EngineConfig(**{k: v for k, v in known.items() if v is not None or _FIELDS[k].default is None})

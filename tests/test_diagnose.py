@@ -18,7 +18,7 @@ from kvtune.diagnose import INSUFFICIENT_DATA, Thresholds, diagnose
 from kvtune.diagnose.render import format_diagnoses
 from kvtune.results import RunResult
 from kvtune.targets import SimTarget, TargetStartError
-from kvtune.targets.sim import config_dict
+from kvtune.results import config_dict
 from kvtune.workload import IntDist, SynthSpec, TraceRequest, Workload, synthesize
 
 

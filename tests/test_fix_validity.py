@@ -22,7 +22,7 @@ from kvtune.diagnose.trial import Simulator, diagnosed, simulator_for, try_fixes
 from kvtune.results import RunResult
 from kvtune.targets import SimTarget, TargetStartError
 from kvtune.targets.rules import CPU_KV_SPACE_ENV, run_rules, vllm_rules
-from kvtune.targets.sim import config_dict
+from kvtune.results import config_dict
 from kvtune.workload import (
     IntDist,
     SynthSpec,

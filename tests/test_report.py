@@ -18,7 +18,7 @@ from kvtune.cli.report import add_report_command
 from kvtune.report import ReportError, write_report
 from kvtune.report.capacity import capacity_for
 from kvtune.search.report_data import RunView, load_report_data
-from kvtune.targets.sim import engine_config
+from kvtune.results import engine_config
 from kvtune.results import RunResult
 from kvtune.search import (
     Objective,

@@ -10,9 +10,8 @@ import sys
 
 from .commands import COMMANDS
 from .args import add_db_argument
-from ..targets.sim import engine_config
+from ..results import RunResult, engine_config
 from ..calibrate.profile import get_profile
-from ..results import RunResult
 from ..workload import FORMATS, read_workload, workload_stats
 from ..store import Store, StoreError, resolve_db_url
 from ..diagnose.facts import gather

@@ -14,12 +14,11 @@ from ..calibrate import get_profile
 from ..diagnose import Thresholds
 from ..diagnose.trial import Simulator, diagnosed, simulator_for
 from ..report.fmt import on_gpus
-from ..results import RunResult
+from ..results import RunResult, config_dict
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
 from .target import add_server_flags, live_target, refuse_unservable, simulated_model, simulated_model_device
 from ..stopping import failure_reason
-from ..targets.sim import config_dict
 from ..workload import FORMATS, head, rate_scale, read_workload
 from .args import add_max_concurrency, name_or_url, positive_float, positive_int
 

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..results import RunResult
+from ..results import Launch, RunResult, engine_config
 from ..targets.rules import CPU_KV_SPACE_ENV as CPU_KV_SPACE
 from ..targets.rules import OVERRIDE, SIZE_KNOBS, UTILIZATION, TargetRules, as_number, run_rules
-from ..targets.sim import engine_config
 from .facts import RunFacts
 from .model import FlagChange
 from .pool import Pool, fp8_gain, pool_of, replan
@@ -61,7 +60,8 @@ def on_cpu(f: RunFacts) -> bool:
     devices = (f.result.device, f.config.get("device"), f.config.get("vllm_platform"))
     if any(isinstance(d, str) and "cpu" in d.lower() for d in devices):
         return True
-    return CPU_KV_SPACE in (f.config.get("launch_env") or {})
+    launch = Launch.of(f.config)
+    return launch is not None and CPU_KV_SPACE in launch.env
 
 
 def raise_utilization(f: RunFacts) -> FlagChange | None:

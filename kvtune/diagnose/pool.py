@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from kvengine.config import ConfigError, DeviceSpec, ModelSpec, device_preset, model_preset
 from kvengine.core.memory import KVCacheMemoryError, kv_bytes_per_token, max_concurrency, plan_memory
 
-from ..results import RunResult
-from ..targets.sim import engine_config
+from ..results import RunResult, engine_config
 
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..targets.sim import engine_config
+from ..results import Launch, engine_config
 from .facts import RunFacts
 from .fixes import more_kv_room
 from .model import Diagnosis, Evidence, FlagChange, fixes
@@ -169,7 +169,8 @@ def _distinct_prefix_tokens(f: RunFacts) -> int | None:
 def _smaller_blocks(f: RunFacts) -> FlagChange | None:
     size = engine_config(f.config).block_size
     # the sizes the server takes, as its run recorded them; else GPU vLLM's multiples of 16
-    allowed = [b for b in f.config.get("server_block_sizes") or (16, 32, 64, 128, 256) if b < size]
+    launch = Launch.of(f.config)
+    allowed = [b for b in (launch and launch.block_sizes) or (16, 32, 64, 128, 256) if b < size]
     if not allowed:
         return None
     return FlagChange("--block-size", size, max(allowed), "finer sharing: partial blocks are never reused")

@@ -21,13 +21,12 @@ import numpy as np
 from kvengine.config import ConfigError, GiB
 from kvengine.core.memory import KVCacheMemoryError, activation_peak_bytes, plan_memory
 
-from ..results import RunResult
+from ..results import RunResult, engine_config
 from ..targets.rules import OVERRIDE, UTILIZATION
 from ..targets.startlog import is_wrapper, read_log, root_cause
 from .facts import RunFacts
 from .fixes import CPU_KV_SPACE, fp8_bytes_text, limit_noted, pool_change, request_limit, rules_of
 from .model import Diagnosis, Evidence, FlagChange, Thresholds, fixes as options
-from ..targets.sim import engine_config
 from .pool import specs
 
 # What a line says when memory is the cause (the KV pool, activations, other processes); never plain "memory":

@@ -28,9 +28,9 @@ import numpy as np
 
 from kvengine.config import ConfigError, EngineConfig
 
-from ..results import RunResult
+from ..results import RunResult, config_dict, engine_config
 from ..targets.base import TargetStartError
-from ..targets.sim import SimTarget, config_dict, engine_config
+from ..targets.sim import SimTarget
 from ..workload import Workload
 from .fixes import CPU_KV_SPACE, admitted, refusal, rules_of
 from .model import (HELPED, INSUFFICIENT_DATA, NO_HELP, UNTESTED, Diagnosis, FixTrial, FlagChange, Thresholds,

@@ -15,6 +15,7 @@ from kvengine.config import ConfigError, device_preset
 
 from ..diagnose.pool import pool_of
 from ..environment import DISTRIBUTION, package_version
+from ..results import Launch
 from ..workload import TraceError, read_workload, workload_stats
 from . import fmt
 from ..search.report_data import ReportData, RunView
@@ -22,7 +23,6 @@ from .document import Block, Bullets, Heading, Paragraph, Table
 
 ENVIRONMENT_ATTR = "environment"  # the study's user attr: host_environment() of the search host
 SERVER_VERSION_KEY = "server_version"  # a live run's config: what the server's GET /version said
-EXECUTOR_KEY = "executor"  # an engine run's config: sim or torch
 SERVER_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "engine": "kvengine server", "url": "running server"}
 TFLOP, TB, GB = 1e12, 1e12, 1e9
 
@@ -147,7 +147,7 @@ def _target_text(kind: str, run: RunView | None) -> str:
     version = config.get(SERVER_VERSION_KEY)
     model = f" `{run.result.model}`" if run is not None and run.result.model else ""
     if kind == "engine":
-        executor = config.get(EXECUTOR_KEY)
+        executor = launch.executor if (launch := Launch.of(config)) else None
         device = run.result.device if run is not None else None
         if executor == "sim":
             return (f"the bundled kvengine server with the **sim executor**: the simulated device "

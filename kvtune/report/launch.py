@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvengine.config import EngineConfig
 
+from ..results import Launch
 from ..targets import EngineTarget, SglangTarget, TargetStartError, VllmTarget
 from ..targets.rules import CPU_KV_SPACE_ENV
 
@@ -40,9 +41,9 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
     `measured`: that run's stored config, whose server environment (VLLM_CPU_KVCACHE_SPACE=...) and
     extra server arguments the command of its server must carry to reproduce what was measured."""
     model = served_model or _PLACEHOLDER
-    measured = measured or {}
-    env, args = measured.get("launch_env") or {}, measured.get("launch_args") or ""
-    server_of_args = measured.get("launch_server")
+    launch = Launch.of(measured)
+    env, args = (launch.env, launch.args) if launch else ({}, "")
+    server_of_args = launch.server if launch else None
     vllm_args, sglang_args = (args if server_of_args == "vllm" else ""), (args if server_of_args == "sglang" else "")
     if CPU_KV_SPACE_ENV in env and "--kv-cache-memory-bytes" not in args:
         # the measured server's pool came from its environment: the byte count it reported is no flag it
@@ -50,7 +51,7 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
         config = dataclasses.replace(config, kv_cache_memory_bytes=None)
     # the form the measured vLLM ran as: `python -m vllm.entrypoints.openai.api_server --model ...`
     # takes its flags as `vllm serve` does, but the operator should paste what kvtune ran
-    module = measured.get("launch_module") if server_of_args == "vllm" else None
+    module = launch.module if server_of_args == "vllm" else None
     vllm_command = f"python -m {module}" if module else "vllm"
     out = []
     for server, name, target, server_env in (
@@ -64,7 +65,7 @@ def launch_commands(config: EngineConfig, preset: str | None, device: str | None
             prefix = [f"{k}={shlex.quote(str(v))}" for k, v in sorted(server_env.items())]
             note = (f"with {', '.join(prefix)}: the environment the measured server ran with" if prefix else "")
             out.append(LaunchCommand(server, _shell(argv, prefix), note or _untested(server_of_args, name)))
-    executor = measured.get("executor") if server_of_args == "engine" else None
+    executor = launch.executor if server_of_args == "engine" else None
     engine = EngineTarget(executor=executor or "sim", preset=preset or "llama-3-8b", device=device or "h100-80gb")
     argv = ["kvengine", *_strip_local(engine.serve_args(config, 0))]
     out.append(LaunchCommand("kvengine", _shell(argv), (

@@ -12,7 +12,7 @@ from .diagnoses import pool_lines, run_diagnoses
 from .document import Block, Image
 from .html import render_html
 from .importance import param_importance
-from ..targets.sim import engine_config
+from ..results import engine_config
 from .launch import launch_commands
 from .markdown import render_markdown
 from .sections import (

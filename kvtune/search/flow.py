@@ -16,7 +16,7 @@ from ..diagnose.trial import Simulator, diagnosed
 from ..environment import host_environment
 from ..plan import served_dtype, server_pool_of
 from ..store import Store, StoreError
-from ..targets import SimTarget, TargetRunError, TargetStartError
+from ..targets import LiveTarget, SimTarget, TargetRunError, TargetStartError
 from ..workload import Workload, head
 from .objective import Objective
 from .report_data import ReportData, load_report_data
@@ -64,7 +64,7 @@ class SearchRequest:
     gpus: int | None = None  # the GPUs to serve with: TP searched among its divisors (unless fixed), gpus / TP replicas
     heartbeat_s: float = 30.0
     profile: str | None = None  # a calibrated cost profile's name
-    live: object | None = None  # the live target (its rules, check and run); None: stage 1 only
+    live: LiveTarget | None = None  # None: stage 1 only
     live_kind: str = "none"
     explicit_knobs: set[str] = field(default_factory=set)  # the knobs whose values the operator chose
     top_k: int = 3

@@ -8,7 +8,7 @@ or were rejected. The ranking turns a verdict that rests on doubtful runs into
 """
 from __future__ import annotations
 
-from ..results import RunResult
+from ..results import Launch, RunResult
 from .slo import Score
 
 HOST_BUSY = 0.95  # all CPUs this busy, with the server's own share unknown: the host is timed too
@@ -21,7 +21,7 @@ def measured_on(target: str | None, device: str | None, config: dict) -> str:
     if target == "sim":
         return f"the simulator ({device}, virtual time)"
     if target == "engine":
-        if config.get("executor") == "sim":
+        if (launch := Launch.of(config)) and launch.executor == "sim":
             return f"simulated {device}, replayed in real time by kvengine (no model runs)"
         return f"kvengine {version or ''} (real forward passes on {device})".replace("  ", " ")
     if target == "vllm":

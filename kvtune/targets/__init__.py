@@ -7,7 +7,7 @@ Locust and scrape its /metrics.
 from ..lazy import exports_of, lazy_face
 
 EXPORTS = exports_of({
-    ".base": ("Target", "TargetRunError", "TargetStartError"),
+    ".base": ("LiveTarget", "Target", "TargetRunError", "TargetStartError"),
     ".live": ("LiveOptions",),
     ".servers": ("EngineTarget", "SglangTarget", "UrlTarget", "VllmTarget"),
     ".sim": ("SimTarget",),

@@ -7,6 +7,7 @@ from kvengine.config import EngineConfig
 
 from ..results import RunResult
 from ..workload import Workload
+from .rules import TargetRules
 
 
 class TargetStartError(RuntimeError):
@@ -33,3 +34,12 @@ class Target(Protocol):
     name: str
 
     def run(self, config: EngineConfig, workload: Workload) -> RunResult: ...
+
+
+class LiveTarget(Target, Protocol):
+    """A target that serves for real (kvengine, vLLM, SGLang, a URL): what a search's live stage asks of it."""
+    rules: TargetRules  # what the server accepts and defaults to
+
+    def check(self, config: EngineConfig) -> dict:
+        """Start (or reach) the server with `config` and see it answer; what it reports of its config."""
+        ...

@@ -14,12 +14,11 @@ from kvengine.config import EngineConfig
 
 from ..httpclient import HTTP_ERRORS, http_get
 from ..loadgen import run_load
-from ..results import RequestRecord, RunResult, summarize
+from ..results import RequestRecord, RunResult, config_dict, engine_config, summarize
 from ..scrape import ScrapeError, ScrapeLog, Scraper, config_from_info
 from ..workload import Workload, workload_stats, write_workload
 from . import hostcpu
 from .base import TargetRunError
-from .sim import config_dict, engine_config
 
 SERVER_HISTOGRAMS = ("ttft", "tpot", "itl", "e2e", "queue")
 

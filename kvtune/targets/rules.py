@@ -31,6 +31,8 @@ from pathlib import Path
 from kvengine.config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig, GiB
 from kvengine.entrypoints.flags import parse_size
 
+from ..results import Launch
+
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 VLLM_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 OVERRIDE = "--num-gpu-blocks-override"
@@ -204,9 +206,8 @@ def run_rules(config: dict, target: str = "", device: str = "") -> TargetRules:
     server_block_sizes, launch_env, launch_args) and the pool its own config fixed: an override in
     force (set, or reported by the server), else bytes it set. A CPU vLLM reports its
     VLLM_CPU_KVCACHE_SPACE as kv_cache_memory_bytes too: the variable, not a flag, sizes that pool."""
-    server = config.get("launch_server") or target
-    env = config.get("launch_env") or {}
-    sizes = tuple(config.get("server_block_sizes") or ())
+    launch = Launch.of(config) or Launch(target)
+    server, env, sizes = launch.server or target, launch.env, launch.block_sizes
     cpu_sizes = vllm_rules("cpu").block_sizes
     if CPU_KV_SPACE_ENV in env:  # only CPU vLLM reads it, whatever the run's label
         rules = vllm_rules("cpu", env)
@@ -220,7 +221,7 @@ def run_rules(config: dict, target: str = "", device: str = "") -> TargetRules:
         rules = vllm_rules("cpu" if on_cpu else "cuda" if sizes else "unknown", env)
     if sizes:
         rules = dataclasses.replace(rules, block_sizes=sizes)
-    rules = rules.with_server_args(config.get("launch_args") or "")
+    rules = rules.with_server_args(launch.args)
     fixed = {}
     if config.get("num_gpu_blocks_override"):
         fixed[OVERRIDE] = int(config["num_gpu_blocks_override"])

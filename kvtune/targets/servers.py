@@ -17,7 +17,7 @@ from pathlib import Path
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 from kvengine.entrypoints.flags import launch_flags
 
-from ..results import RunResult
+from ..results import Launch, RunResult
 from ..scrape import reported_config
 from ..workload import Workload
 from .base import TargetStartError
@@ -62,6 +62,7 @@ class _ServerTarget(ABC):
     start_timeout_s: float = 600.0
     env: dict = field(default_factory=dict)  # the server's environment on top of ours (--server-env)
     log_dir: str | None = None  # where the server's log is kept (default: a new temporary folder)
+    extra_args: str = ""  # more server flags (--server-args), e.g. a fixed pool
     _kept: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (config, server) of check()
     name = "server"
 
@@ -97,16 +98,13 @@ class _ServerTarget(ABC):
         for key, value in self.server_defaults(config).items():  # what the server chose where not told
             if result.config.get(key) is None:
                 result.config[key] = value
-        result.config["launch_env"] = self.rules.launch_env()
-        result.config["launch_args"] = getattr(self, "extra_args", "")
-        result.config["launch_server"] = self.name
-        if getattr(self, "module_form", False):  # the launch line repeats the form that was measured
-            result.config["launch_module"] = VLLM_MODULE
-        if getattr(self, "executor", None):
-            result.config["executor"] = self.executor
-        # what this server takes, for the fixes a diagnosis proposes (it never sees the target)
-        result.config["server_block_sizes"] = list(self.rules.block_sizes)
+        result.config.update(self.launch().stored())
         return result
+
+    def launch(self) -> Launch:
+        """How this server is started, for the run to keep: the report's launch line repeats it and a
+        diagnosis (which never sees the target) proposes only the block sizes it takes."""
+        return Launch(self.name, self.extra_args, self.rules.launch_env(), block_sizes=tuple(self.rules.block_sizes))
 
     def server_defaults(self, config: EngineConfig) -> dict:
         """The values this server takes for the knobs `config` leaves open, where they are known."""
@@ -165,7 +163,6 @@ class EngineTarget(_ServerTarget):
     model_path: str | None = None
     device_memory: str | None = None
     python: str = sys.executable
-    extra_args: str = ""  # more kvengine serve flags (--server-args), e.g. a fixed pool
 
     @property
     def rules(self) -> TargetRules:
@@ -192,6 +189,9 @@ class EngineTarget(_ServerTarget):
     def model_label(self) -> str:
         return self.model_path or self.preset
 
+    def launch(self) -> Launch:
+        return dataclasses.replace(super().launch(), executor=self.executor)
+
     def server_defaults(self, config: EngineConfig) -> dict:
         """kvengine resolves its defaults from the preset and device as vLLM does per platform."""
         if self.model_path:
@@ -213,7 +213,6 @@ class VllmTarget(_ServerTarget):
     name = "vllm"
     model: str = ""
     vllm_command: str = field(default_factory=default_vllm_command)
-    extra_args: str = ""
     platform: str | None = None  # cpu | cuda; None: from the command's environment
 
     @property
@@ -227,6 +226,9 @@ class VllmTarget(_ServerTarget):
     @property
     def module_form(self) -> bool:
         return VLLM_MODULE in shlex.split(self.vllm_command)
+
+    def launch(self) -> Launch:  # the launch line repeats the form that was measured
+        return dataclasses.replace(super().launch(), module=VLLM_MODULE if self.module_form else None)
 
     def command(self, config: EngineConfig, port: int) -> list[str]:
         if not self.model:
@@ -254,7 +256,6 @@ class SglangTarget(_ServerTarget):
     name = "sglang"
     model: str = ""
     python: str = "python3"
-    extra_args: str = ""
 
     @property
     def rules(self) -> TargetRules:

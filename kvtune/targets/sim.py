@@ -21,7 +21,7 @@ from kvengine.engine.llm_engine import LLMEngine
 from kvengine.executor.cost import CostCoefficients
 from kvengine.metrics.stats import request_timings
 
-from ..results import RequestRecord, RunResult, summarize
+from ..results import RequestRecord, RunResult, config_dict, summarize
 from ..workload import Workload, workload_prompt_token_ids, workload_stats
 from .base import TargetStartError
 
@@ -102,22 +102,3 @@ def _record(req: Request) -> RequestRecord:
     t = request_timings(req)
     return RequestRecord(req.request_id, t.arrival, t.prompt_tokens, t.output_tokens, t.cached_tokens,
                          t.ttft, t.tpot, t.e2e, t.queue, list(t.itl), t.num_preemptions, t.finish_reason)
-
-
-def config_dict(config: EngineConfig) -> dict:
-    """A config as a run stores it; `engine_config` reads it back."""
-    return {k: v for k, v in vars(config).items() if k != "extra"}
-
-
-_FIELDS = {f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "extra"}
-
-
-def engine_config(stored: dict | None, params: dict | None = None, **changes) -> EngineConfig:
-    """The config a run's stored dict describes, `params` (a trial's knobs) and `changes` on top.
-
-    Other keys (launch_env, a URL target's labels) are left out. A knob stored as None (the server
-    did not say) takes EngineConfig's default where that is not None: block_size 16, vLLM's on
-    GPUs, is the one place that default is assumed."""
-    merged = {**(stored or {}), **(params or {}), **changes}
-    known = {k: v for k, v in merged.items() if k in _FIELDS}
-    return EngineConfig(**{k: v for k, v in known.items() if v is not None or _FIELDS[k].default is None})
