@@ -8,7 +8,7 @@ import streamlit as st
 from kvtune.report import fmt
 from kvtune.search.report_data import ReportData, ReportError
 from kvtune.report.launch import launch_commands, model_export
-from kvtune.targets.sim import engine_config
+from kvtune.results import engine_config
 from kvtune.report.sections import trial_note
 from kvtune.search.advice import describe
 from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement
