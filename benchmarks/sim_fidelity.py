@@ -50,7 +50,7 @@ from kvengine.config import EngineConfig, model_preset
 from kvengine.entrypoints.flags import parse_size
 from kvengine.executor.torch_executor import gpu_preset_name, resolve_device, torch_device_spec
 
-from kvtune.calibrate import calibrate_url, format_profile
+from kvtune.calibrate import CalibrationRequest, calibrate_url, format_profile
 from kvtune.calibrate.probes import steady_itl, stream_request
 from kvtune.scrape import fetch, metrics_url, parse_exposition
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
@@ -181,10 +181,9 @@ def main(argv=None) -> int:
                 print(f"# server: {' '.join(target.command(config, port)[2:])}", flush=True)
             live_run = functools.partial(run_live, server.url, workload, "engine", args.preset, config, options,
                                          check_alive=server.check_alive)
-            calibrate = functools.partial(calibrate_url, server.url, args.preset, profile_device, config,
-                                          f"sim-fidelity-{name}",
-                                          target="engine", executor="torch", quick=args.quick,
-                                          check_alive=server.check_alive)
+            request = CalibrationRequest(server.url, args.preset, profile_device, config, f"sim-fidelity-{name}",
+                                         target="engine", executor="torch", quick=args.quick)
+            calibrate = functools.partial(calibrate_url, request, check_alive=server.check_alive)
             before = reference_itl(server.url)
             lives = [fresh_cache(server.url, live_run)]
             t0 = time.perf_counter()

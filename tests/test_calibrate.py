@@ -438,10 +438,10 @@ def test_a_server_dying_mid_probe_fails_clearly_and_saves_nothing(tmp_path, caps
 
 
 def test_an_unreachable_server_is_a_calibration_error():
-    from kvtune.calibrate import calibrate_url
+    from kvtune.calibrate import CalibrationRequest, calibrate_url
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(CalibrationError, match=f"cannot reach {url}"):
-        calibrate_url(url, MODEL, DEVICE, EngineConfig(), "x")
+        calibrate_url(CalibrationRequest(url, MODEL, DEVICE, EngineConfig(), "x"))
 
 
 

@@ -12,7 +12,7 @@ from test_calibrate import decode_run, virtual_runs
 from kvtune.calibrate import design_probes, speed_drift, step_shapes
 from kvtune.calibrate.fit import FitRefusedError, QuantizedProbes
 from kvtune.calibrate.probes import ITL, ServerInfo
-from kvtune.calibrate.session import DRIFT_WARN, Probed, add_dequant, fit_profile
+from kvtune.calibrate.session import DRIFT_WARN, CalibrationRequest, Probed, add_dequant, fit_profile
 
 MAX_MODEL_LEN = 512  # the demo's
 
@@ -110,13 +110,15 @@ def test_the_split_chosen_with_the_quantized_probes_passes_the_fp8_pass(fp8_prob
     config, runs = served("auto")
     probed = Probed("virtual", model_preset("tiny"), device_preset("cpu"),
                     ServerInfo("virtual", "tiny", MAX_MODEL_LEN), config, [], jitter(runs, 0.05, seed), 0.0)
-    alone = fit_profile(probed, "alone", "tiny", "cpu", KERNEL)  # the server's own dtype: accepted
+    # the server's own dtype: accepted
+    alone = fit_profile(probed, CalibrationRequest("virtual", "tiny", "cpu", config, "alone"), KERNEL)
     assert alone.coefficients.decode_attention_efficiency is not None
     with pytest.raises(FitRefusedError, match="fp8 probes is .* over the 35% limit") as refused:
         add_dequant(alone, fp8_probes, {})
     assert refused.value.profile.fit["dequant"]["rms"] > 0.5
 
-    both = fit_profile(probed, "both", "tiny", "cpu", KERNEL, quantized=fp8_probes)
+    both = fit_profile(probed, CalibrationRequest("virtual", "tiny", "cpu", config, "both"), KERNEL,
+                       quantized=fp8_probes)
     assert both.coefficients.decode_attention_efficiency is None
     assert both.coefficients.kv_memory_efficiency == pytest.approx(SLOW_GATHERS.kv_memory_efficiency, rel=0.25)
     assert both.residuals["all"]["rms"] < 0.1

@@ -1,6 +1,6 @@
 """Calibration: fit kvengine's cost model to a live server, keep it as a named profile.
 
-    profile = calibrate_url("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny")
+    profile = calibrate_url(CalibrationRequest("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny"))
     save_profile(None, profile)                     # the default store (--db / $KVTUNE_DB)
     coeffs = load_cost_profile(None, "cpu-tiny")    # -> CostCoefficients for SimTarget
 
@@ -9,7 +9,8 @@
 from ..lazy import exports_of, lazy_face
 
 EXPORTS = exports_of({
-    ".session": ("calibrate_quantized", "calibrate_target", "calibrate_url", "format_profile"),
+    ".session": ("CalibrationRequest", "calibrate_quantized", "calibrate_target", "calibrate_url",
+                 "format_profile"),
     ".fit": ("FitResult", "Observation", "fit_coefficients", "fit_dequant", "step_shapes"),
     ".probes": ("CalibrationError", "Probe", "ProbeOptions", "ProbePlan", "ProbeRun", "ServerInfo",
                 "design_probes", "run_probes", "server_info", "speed_drift"),

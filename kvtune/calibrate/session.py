@@ -1,6 +1,6 @@
 """One calibration: probe a server, fit the cost model, and the profile (or the refusal).
 
-    profile = calibrate_url("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny")
+    profile = calibrate_url(CalibrationRequest("http://127.0.0.1:8000", "tiny", "cpu", EngineConfig(), "cpu-tiny"))
     profile = calibrate_target(EngineTarget(...), config, "tiny", "cpu", "cpu-tiny")  # starts, stops the server
 """
 from __future__ import annotations
@@ -40,6 +40,28 @@ DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a 
 QUANTIZED_KINDS = ("decode", "context")  # the probes whose steps read the K/V cache
 
 
+@dataclass(frozen=True)
+class CalibrationRequest:
+    """One calibration of the server at `url`: it serves the `preset` model on the `device`
+    preset, configured as `config` describes where /metrics does not say (None: the defaults);
+    the profile is named `name`, and records the server as `target` (url, or the kind kvtune
+    started: engine, vllm, ...) and `executor` (kvengine's, where it is one). The probe plan:
+    `quick` (fewer lengths, batch sizes and repeats), the largest decode batch and the longest
+    prompt probed, and the run's `options` (timeouts, seed; None: ProbeOptions' defaults)."""
+
+    url: str
+    preset: str
+    device: str
+    config: EngineConfig | None
+    name: str
+    target: str = "url"
+    executor: str | None = None
+    quick: bool = False
+    max_batch: int = 64
+    max_prompt: int | None = None
+    options: ProbeOptions | None = None
+
+
 @dataclass
 class Probed:
     """One server's probe runs, and what they were designed with: the model and device presets
@@ -57,23 +79,25 @@ class Probed:
 
 
 def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
-                     cost_profile: str | None = None, quantized_kv: str | None = None,
-                     **kwargs) -> CalibrationProfile:
+                     cost_profile: str | None = None, quantized_kv: str | None = None, *, quick: bool = False,
+                     max_batch: int = 64, max_prompt: int | None = None, options: ProbeOptions | None = None,
+                     progress=None, base: CostCoefficients | None = None) -> CalibrationProfile:
     """Start the target's server with `config` (as a trial would), probe it, stop it, and fit.
     `quantized_kv` (fp8, int8, ...): before the fit, start it again with that KV cache dtype and
     probe its decodes and long contexts; the fit chooses its splits on both servers' timings
     (fit_coefficients' `quantized`), then fits the dequantization its reads add to the second's."""
     executor = getattr(server_target, "executor", None)
-    base = kwargs.pop("base", None) or _default_base(executor, device)
-    probe_args = {k: kwargs[k] for k in ("quick", "max_batch", "max_prompt", "options", "progress") if k in kwargs}
+    base = base or _default_base(executor, device)
     with _started(server_target, config, cost_profile) as server:
-        probed = probe_server(server.url, preset, device, config, check_alive=server.check_alive, **probe_args)
+        request = CalibrationRequest(server.url, preset, device, config, name, target=server_target.name,
+                                     executor=executor, quick=quick, max_batch=max_batch, max_prompt=max_prompt,
+                                     options=options)
+        probed = probe_server(request, check_alive=server.check_alive, progress=progress)
     quantized = drift = None
     if quantized_kv and quantized_kv != "auto":
-        quantized, drift = _probe_quantized(server_target, config, probed.model, probed.device_spec, quantized_kv,
-                                            base, cost_profile, **probe_args)
-    profile = fit_profile(probed, name, preset, device, base, target=server_target.name, executor=executor,
-                          quick=kwargs.get("quick", False), quantized=quantized)
+        quantized, drift = _probe_quantized(server_target, request, probed.model, probed.device_spec, quantized_kv,
+                                            base, cost_profile, progress)
+    profile = fit_profile(probed, request, base, quantized=quantized)
     return profile if quantized is None else add_dequant(profile, quantized, drift)
 
 
@@ -100,20 +124,22 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
     how the server schedules, so these probes time the terms the main fit could not see.
     (calibrate_target with `quantized_kv` also lets these probes choose the main fit's splits.)"""
     model, device_spec = profile.specs()
-    quantized, drift = _probe_quantized(server_target, config, model, device_spec, kv_cache_dtype,
-                                        profile.coefficients, cost_profile, quick, max_batch, max_prompt, options,
-                                        progress)
+    request = CalibrationRequest(profile.url, profile.model, profile.device, config, profile.name,
+                                 target=profile.target, executor=profile.executor, quick=quick, max_batch=max_batch,
+                                 max_prompt=max_prompt, options=options)
+    quantized, drift = _probe_quantized(server_target, request, model, device_spec, kv_cache_dtype,
+                                        profile.coefficients, cost_profile, progress)
     return add_dequant(profile, quantized, drift)
 
 
-def _probe_quantized(server_target, config: EngineConfig, model: ModelSpec, device_spec: DeviceSpec,
+def _probe_quantized(server_target, request: CalibrationRequest, model: ModelSpec, device_spec: DeviceSpec,
                      kv_cache_dtype: str, kernel: CostCoefficients, cost_profile: str | None = None,
-                     quick: bool = False, max_batch: int = 64, max_prompt: int | None = None,
-                     options: ProbeOptions | None = None, progress=None) -> tuple[QuantizedProbes, dict]:
-    """The decode and long-context probes of the target's server started with `kv_cache_dtype`, as
-    step shapes and timings (their pairs counted as `kernel` says; each probe class named with the
-    dtype), and its speed's drift while probed (speed_drift; {} without one)."""
-    config = dataclasses.replace(config, kv_cache_dtype=kv_cache_dtype)
+                     progress=None) -> tuple[QuantizedProbes, dict]:
+    """The decode and long-context probes (planned as `request` says) of the target's server
+    started with `request.config` but `kv_cache_dtype`, as step shapes and timings (their pairs
+    counted as `kernel` says; each probe class named with the dtype), and its speed's drift while
+    probed (speed_drift; {} without one)."""
+    config = dataclasses.replace(request.config, kv_cache_dtype=kv_cache_dtype)
     if progress:
         progress(f"the same server with --kv-cache-dtype {kv_cache_dtype}: its dequantization cost")
     with _started(server_target, config, cost_profile) as server:
@@ -121,8 +147,8 @@ def _probe_quantized(server_target, config: EngineConfig, model: ModelSpec, devi
         if info.kv_cache_dtype and info.kv_cache_dtype != kv_cache_dtype:
             raise CalibrationError(f"{server.url} reports kv_cache_dtype {info.kv_cache_dtype!r}, not the "
                                    f"{kv_cache_dtype!r} it was started with")
-        server_config, _, runs, _ = _probe(server.url, info, config, model, device_spec, quick, max_batch, max_prompt,
-                                           options, server.check_alive, progress, kinds=QUANTIZED_KINDS)
+        server_config, _, runs, _ = _probe(dataclasses.replace(request, url=server.url, config=config), info,
+                                           model, device_spec, server.check_alive, progress, kinds=QUANTIZED_KINDS)
     shapes, observations = step_shapes(runs, model, device_spec, server_config, kernel)
     for o in observations:
         o.kind = f"{o.kind} {kv_cache_dtype}"
@@ -162,17 +188,18 @@ def _observation(o) -> dict:
             "predicted_s": o.predicted_s}
 
 
-def _probe(url: str, info: ServerInfo, config: EngineConfig, model: ModelSpec, device_spec, quick: bool,
-           max_batch: int, max_prompt: int | None, options: ProbeOptions | None, check_alive, progress,
+def _probe(request: CalibrationRequest, info: ServerInfo, model: ModelSpec, device_spec, check_alive, progress,
            kinds: tuple[str, ...] | None = None):
-    """Design the probes for the server at `url` (`info` what it says of itself, `config` its
-    flags) and run them (those of `kinds`, where given): its config as corrected by `info`, what
-    the plan could not cover (ProbePlan.notes), the runs, and the wall time they took."""
-    server_config = _server_config(config, info, model, device_spec)
+    """Design the probes for the server at `request.url` (`info` what it says of itself,
+    `request.config` its flags) and run them (those of `kinds`, where given): its config as
+    corrected by `info`, what the plan could not cover (ProbePlan.notes), the runs, and the wall
+    time they took."""
+    url = request.url
+    server_config = _server_config(request.config or EngineConfig(), info, model, device_spec)
     pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
-    plan = design_probes(info.max_model_len, max_batch=min(max_batch, server_config.max_num_seqs),
-                         max_prompt=max_prompt, pool_tokens=pool,
-                         batch_tokens=server_config.max_num_batched_tokens, quick=quick,
+    plan = design_probes(info.max_model_len, max_batch=min(request.max_batch, server_config.max_num_seqs),
+                         max_prompt=request.max_prompt, pool_tokens=pool,
+                         batch_tokens=server_config.max_num_batched_tokens, quick=request.quick,
                          block_size=server_config.block_size, kinds=kinds)
     if progress:
         for note in plan.notes:
@@ -186,50 +213,44 @@ def _probe(url: str, info: ServerInfo, config: EngineConfig, model: ModelSpec, d
             measured = ", ".join(f"{m} {run.measured(m) * 1e3:.2f} ms" for m in run.measures)
             progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
 
-    runs = run_probes(url, info.model_name, plan, options, check_alive=check_alive, progress=each)
+    runs = run_probes(url, info.model_name, plan, request.options, check_alive=check_alive, progress=each)
     return server_config, list(plan.notes), runs, time.perf_counter() - t0
 
 
-def calibrate_url(url: str, preset: str, device: str, config: EngineConfig | None, name: str,
-                  target: str = "url", executor: str | None = None, quick: bool = False, max_batch: int = 64,
-                  max_prompt: int | None = None, options: ProbeOptions | None = None, check_alive=None,
-                  progress=None, base: CostCoefficients | None = None) -> CalibrationProfile:
-    """Probe the server at `url` (which serves `preset` on `device`, configured as
-    `config` describes, where /metrics does not say), fit, and return the profile.
-    `base`: the coefficients the fit leaves alone and starts from; by default the cost
-    model's, with the attention kernel's pair counting of the torch executor where the
-    server is kvengine's torch executor."""
-    probed = probe_server(url, preset, device, config, quick, max_batch, max_prompt, options, check_alive, progress)
-    return fit_profile(probed, name, preset, device, base or _default_base(executor, device), target=target,
-                       executor=executor, quick=quick)
+def calibrate_url(request: CalibrationRequest, *, check_alive=None, progress=None,
+                  base: CostCoefficients | None = None) -> CalibrationProfile:
+    """Probe the server `request` names, fit, and return the profile. `check_alive`: the
+    server's own report where a probe fails (a managed server's exit); `progress`: called
+    with each line of progress. `base`: the coefficients the fit leaves alone and starts
+    from; by default the cost model's, with the attention kernel's pair counting of the
+    torch executor where the server is kvengine's torch executor."""
+    probed = probe_server(request, check_alive=check_alive, progress=progress)
+    return fit_profile(probed, request, base or _default_base(request.executor, request.device))
 
 
-def probe_server(url: str, preset: str, device: str, config: EngineConfig | None, quick: bool = False,
-                 max_batch: int = 64, max_prompt: int | None = None, options: ProbeOptions | None = None,
-                 check_alive=None, progress=None) -> Probed:
-    """Run the probes designed for the server at `url` (see calibrate_url)."""
-    model, device_spec = model_preset(preset), device_preset(device)
-    info = server_info(url)
+def probe_server(request: CalibrationRequest, *, check_alive=None, progress=None) -> Probed:
+    """Run the probes designed for the server `request` names (see calibrate_url)."""
+    model, device_spec = model_preset(request.preset), device_preset(request.device)
+    info = server_info(request.url)
     model = _served_model(model, info, progress)
-    server_config, notes, runs, wall = _probe(url, info, config or EngineConfig(), model, device_spec, quick,
-                                              max_batch, max_prompt, options, check_alive, progress)
-    return Probed(url, model, device_spec, info, server_config, notes, runs, wall)
+    server_config, notes, runs, wall = _probe(request, info, model, device_spec, check_alive, progress)
+    return Probed(request.url, model, device_spec, info, server_config, notes, runs, wall)
 
 
-def fit_profile(probed: Probed, name: str, preset: str, device: str, base: CostCoefficients, target: str = "url",
-                executor: str | None = None, quick: bool = False,
+def fit_profile(probed: Probed, request: CalibrationRequest, base: CostCoefficients,
                 quantized: QuantizedProbes | None = None) -> CalibrationProfile:
-    """The profile fitted to `probed` (its splits chosen on `quantized` too, where given);
-    FitRefusedError, saying why and what to try, where degenerate_reasons refuses it."""
+    """The profile fitted to `probed` (named, and its server described, as `request` says; its
+    splits chosen on `quantized` too, where given); FitRefusedError, saying why and what to try,
+    where degenerate_reasons refuses it."""
     model, device_spec, server_config = probed.model, probed.device_spec, probed.server_config
     shapes, observations = step_shapes(probed.runs, model, device_spec, server_config, base)
     result = fit_coefficients(shapes, observations, model, device_spec, server_config.kv_cache_dtype,
                               server_config.block_size, base=base, quantized=quantized)
     profile = CalibrationProfile(
-        name=name, model=model.name, model_spec=dataclasses.asdict(model), dtype=model.dtype, device=device,
-        coefficients=result.coefficients,
+        name=request.name, model=model.name, model_spec=dataclasses.asdict(model), dtype=model.dtype,
+        device=request.device, coefficients=result.coefficients,
         client_overhead_s=result.client_overhead_s, client_overhead_busy_s=result.client_overhead_busy_s,
-        target=target, url=probed.url, executor=executor,
+        target=request.target, url=probed.url, executor=request.executor,
         served_model=probed.info.model_name,
         server=probed.info.to_dict() | {"config": {k: v for k, v in vars(server_config).items() if k != "extra"}},
         residuals=result.residuals(), roofline_residuals=result.initial,
@@ -238,11 +259,11 @@ def fit_profile(probed: Probed, name: str, preset: str, device: str, base: CostC
         fit={"cost": result.cost, "nfev": result.nfev, "message": result.message, **result.split_costs})
     reasons = degenerate_reasons(result)
     if reasons:
-        _refuse(profile, reasons, _advice(profile, result, probed, quick, preset, device))
+        _refuse(profile, reasons, _advice(profile, result, probed, request))
     return profile
 
 
-def _advice(profile: CalibrationProfile, result, probed: Probed, quick: bool, preset: str, device: str) -> list[str]:
+def _advice(profile: CalibrationProfile, result, probed: Probed, request: CalibrationRequest) -> list[str]:
     """What to try, for what went wrong: noise (a busy machine, too few samples), timings the
     stream could not time, or prompts the cost model does not reach."""
     advice = []
@@ -252,7 +273,7 @@ def _advice(profile: CalibrationProfile, result, probed: Probed, quick: bool, pr
                       "and the last probes (other work on its machine, or other clients of the server?)")
     else:
         advice.append("calibrate when the server is quiet: nothing else on its machine, no other client")
-    if quick:
+    if request.quick:
         advice.append("drop --quick: the full plan has more lengths, batch sizes and repeats per term, "
                       "and longer decode windows")
     if result.dropped:
@@ -260,7 +281,7 @@ def _advice(profile: CalibrationProfile, result, probed: Probed, quick: bool, pr
                       "server whose frontend falls behind merges tokens, or sends a stream in one burst): a "
                       "quieter machine, or smaller batches (--max-batch)")
     if profile.target == "url":
-        advice.append(f"check that --preset {preset} --device {device} describe the served model, and that "
+        advice.append(f"check that --preset {request.preset} --device {request.device} describe the served model, and that "
                       "the scheduler flags (--max-num-seqs, --max-num-batched-tokens, --block-size, ...) are "
                       "the server's: the fit replays the probes with them")
     longest = max(run.probe.prompt_len for run in probed.runs)

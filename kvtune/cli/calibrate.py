@@ -25,7 +25,7 @@ from ..calibrate.probes import (
     ProbeOptions,
 )
 from ..calibrate.profile import save_profile
-from ..calibrate.session import calibrate_target, calibrate_url, format_profile
+from ..calibrate.session import CalibrationRequest, calibrate_target, calibrate_url, format_profile
 
 TARGETS = ("engine", "vllm", "sglang")
 QUANTIZED_KV = tuple(d for d in KV_CACHE_DTYPES if d != "auto")
@@ -120,8 +120,9 @@ def cmd_calibrate(args) -> int:
     plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
     try:
         if url:
-            profile = calibrate_url(args.target, preset, device, config, name, options=options, target="url",
-                                    progress=_progress, **plan_args)
+            request = CalibrationRequest(args.target, preset, device, config, name, target="url", options=options,
+                                         **plan_args)
+            profile = calibrate_url(request, progress=_progress)
         else:
             profile = calibrate_target(server, config, preset, device, name, options=options,
                                        cost_profile=args.cost_profile, quantized_kv=args.quantized_kv,
