@@ -375,6 +375,22 @@ def test_between_equal_gains_an_unquantized_kv_cache_is_preferred_whatever_the_s
         assert verdict.reasons[1] == "trial 1 also beats the default and ties with trial 2, the smaller change"
 
 
+def test_a_stage1_recommendation_is_among_the_configs_compared_even_ranked_below_the_top():
+    """Stage 1 only: six configs tied on the simulator, the smallest change ranked last of them; the
+    configs the report and the terminal compare include the one recommended."""
+    def sim(params, number, value):
+        return Measurement("sim", number, dict(params), "COMPLETE", values=[value],
+                           constraints={SLO.name: -0.1}, observed={SLO.name: 0.4})
+    changed = [dict(DEFAULT, block_size=DEFAULT["block_size"] * 2, max_num_seqs=n, kv_cache_dtype="fp8")
+               for n in (40, 48, 56, 64, 72)]
+    smallest = dict(DEFAULT, max_num_seqs=DEFAULT["max_num_seqs"] // 2)
+    trials = [sim(p, i + 1, 9.0 - 0.01 * i) for i, p in enumerate(changed)] + [sim(smallest, 6, 8.9),
+                                                                                 sim(DEFAULT, 0, 2.0)]
+    verdict, candidates, _ = choose(trials, [], [SLO], DEFAULT)
+    assert verdict.stage == "sim" and verdict.recommended.params == smallest
+    assert any(c.params == smallest for c in candidates)
+
+
 def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_one_that_is():
     """The 12-config vLLM truth run of 2026-12-03: block 32 / fp8 beat the default beyond the spread,
     fp8 alone tied with it but overlapped the default's runs; the one shown to gain is recommended,

@@ -102,6 +102,14 @@ def test_a_baseline_is_what_every_config_changes_and_what_the_verdict_compares_w
     assert p.returncode == 2 and "baseline_args" in p.stderr
     p = kvtune(*args[:-6], "--study", "other", "--baseline-args=--enforce-eager")  # one flag: the = form
     assert p.returncode == 2 and "--baseline-args: --enforce-eager is not a KV-cache or scheduler flag" in p.stderr
+    # a baseline whose pool is fixed in bytes: a utilisation would change nothing, so none is searched
+    p = kvtune(*args[:-6], "--study", "fixed", "--trials", "3", "--baseline-args", "--kv-cache-memory-bytes 2GiB")
+    assert p.returncode == 0, p.stderr
+    fixed = optuna.load_study(study_name="fixed", storage=db)
+    assert fixed.trials and not any("gpu_memory_utilization" in t.params for t in fixed.trials)
+    p = kvtune(*args[:-6], "--study", "asked", "--space", "gpu_memory_utilization=0.8:0.9:0.05",
+               "--baseline-args", "--kv-cache-memory-bytes 2GiB")
+    assert p.returncode == 2 and "gpu_memory_utilization" in p.stderr
 
 
 def test_nothing_meets_the_slos_is_said_not_crashed(tmp_path):

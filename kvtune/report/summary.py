@@ -13,7 +13,7 @@ from ..search.report_data import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
 from ..search.advice import headline, where
-from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement
+from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SIM_TIE, SMALLEST_CHANGE, Candidate, Measurement
 from .words import (
     GLOSSARY,
     metric_label,
@@ -81,9 +81,11 @@ def _verdict(data: ReportData, diagnoses: list[Diagnosis]) -> Callout:
         rec = v.recommended
         lines = [params_text(rec.params), _headline_figures(data, rec), *(f"• {r}" for r in v.reasons)]
         if len(v.tied) > 1:
-            lines.append(f"{len(v.tied)} configs are indistinguishable from the best by a Welch t-test over their "
-                         "runs (section 2): the smallest change from the default is the one named (one that keeps the "
-                         "KV cache unquantized before one that quantizes it, then the fewest flags).")
+            test = ("by a Welch t-test over their runs (section 2)" if v.stage == "live" else
+                    f"on the simulator (within {SIM_TIE:.0%} of the best)")
+            lines.append(f"{len(v.tied)} configs are indistinguishable from the best {test}: the smallest change "
+                         "from the default is the one named (one that keeps the KV cache unquantized before one "
+                         "that quantizes it, then the fewest flags, then the smallest steps).")
         return Callout("ok", title, lines)
     if v.kind == INCONCLUSIVE:
         lines = ["Nothing is recommended: these runs cannot carry a change of flags. Keep what you run, fix what "

@@ -109,6 +109,11 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         say(f"note: {req.gpus} GPUs: each config serves {req.gpus} / TP replicas, the traffic split evenly among "
             "them (a balancer spreading requests; prefix caches are not shared across replicas); the simulator "
             "runs one replica at its share of the rate and counts requests per second for all of them")
+    if live is None and (base.kv_cache_memory_bytes or base.num_gpu_blocks_override):
+        fixed_by = "--kv-cache-memory-bytes" if base.kv_cache_memory_bytes else "--num-gpu-blocks-override"
+        space, notes = space.pool_fixed_by(f"the baseline's {fixed_by}", req.explicit_knobs, "the simulator")
+        for note in notes:
+            say(f"note: {note}")
     if live is not None:
         # the live target's own rules: what it takes, what it runs when given no flags, its pool
         space, notes = space.for_target(live.rules, req.explicit_knobs)

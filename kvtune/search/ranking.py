@@ -357,7 +357,10 @@ def _sim_verdict(sim_done, pair, default, slos):
         return None
 
     ordered = [pair(m.params) for m in ranked]
-    return _decide("sim", ordered, default, slos, beyond_tie), ordered[:TOP_SIM_CANDIDATES]
+    verdict = _decide("sim", ordered, default, slos, beyond_tie)
+    shown = ordered[:TOP_SIM_CANDIDATES]
+    rec = verdict.recommended  # the smallest change within the tie may rank below the top few: shown too
+    return verdict, shown + [rec] if rec is not None and all(c is not rec for c in shown) else shown
 
 
 def _holm_beating(slos: list[SLO], alpha: float):

@@ -107,16 +107,12 @@ class SearchSpace:
     def for_target(self, rules, explicit: set[str] = frozenset()) -> tuple["SearchSpace", list[str]]:
         """The space a target can run (`rules`: kvtune.targets.rules.TargetRules), and a line for each
         change. Values the operator named (`explicit` knobs) that the target refuses are an error."""
-        knobs, notes = [], []
-        for knob in self.knobs:
+        space, notes = self, []
+        if not rules.utilization_sizes_pool:
+            space, notes = self.pool_fixed_by(rules.pool_knob, explicit, rules.server)
+        knobs = []
+        for knob in space.knobs:
             allowed = {"block_size": rules.block_sizes, "kv_cache_dtype": rules.kv_cache_dtypes}.get(knob.name)
-            if knob.name == "gpu_memory_utilization" and not rules.utilization_sizes_pool:
-                if knob.name in explicit:
-                    raise SpaceError(f"gpu_memory_utilization: {rules.server} ignores it ({rules.pool_knob} "
-                                     "sizes the pool); leave it out of --space")
-                notes.append(f"gpu_memory_utilization is not searched: {rules.server} ignores it "
-                             f"({rules.pool_knob} sizes the pool)")
-                continue
             if allowed is None or knob.choices is None:
                 knobs.append(knob)
                 continue
@@ -131,6 +127,20 @@ class SearchSpace:
                 notes.append(f"{knob.name} searched over {', '.join(map(str, kept))}: what {rules.server} takes")
             knobs.append(dataclasses.replace(knob, choices=kept))
         return SearchSpace(tuple(knobs)), notes
+
+    def pool_fixed_by(self, pool_knob: str, explicit: set[str] = frozenset(),
+                      server: str = "the server") -> tuple["SearchSpace", list[str]]:
+        """The space without gpu_memory_utilization where `pool_knob` sizes the KV pool: a utilisation
+        would change nothing, and a config that differs only there is no advice. Named in `explicit`
+        it is an error."""
+        if "gpu_memory_utilization" not in self.names:
+            return self, []
+        if "gpu_memory_utilization" in explicit:
+            raise SpaceError(f"gpu_memory_utilization: {server} ignores it ({pool_knob} sizes the pool); leave it "
+                             "out of --space")
+        kept = tuple(k for k in self.knobs if k.name != "gpu_memory_utilization")
+        return SearchSpace(kept), [f"gpu_memory_utilization is not searched: {server} ignores it ({pool_knob} "
+                                   "sizes the pool)"]
 
     def config(self, params: dict, base: EngineConfig) -> EngineConfig:
         """The engine config a trial's parameters describe (the rest from `base`)."""
