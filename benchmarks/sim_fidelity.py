@@ -51,7 +51,8 @@ from kvengine.entrypoints.flags import parse_size
 from kvengine.executor.torch_executor import gpu_preset_name, resolve_device, torch_device_spec
 
 from kvtune.calibrate import CalibrationRequest, calibrate_url, format_profile
-from kvtune.calibrate.probes import steady_itl, stream_request
+from kvtune.calibrate.stream import stream_request
+from kvtune.calibrate.timings import steady_itl
 from kvtune.scrape import fetch, metrics_url, parse_exposition
 from kvtune.targets import EngineTarget, LiveOptions, SimTarget
 from kvtune.targets.live import run_live

@@ -32,18 +32,15 @@ from kvtune.calibrate import (
     speed_drift,
     step_shapes,
 )
-from kvtune.calibrate.probes import (
+from kvtune.calibrate.design import (
     ITL,
     LOADED_FIRST,
     LOADED_SPACING,
     PREFILL_TIME,
     TTFT,
-    ProbeRun,
-    RequestTiming,
-    TrialRun,
     probe_prompts,
-    steady_itl,
 )
+from kvtune.calibrate.timings import ProbeRun, RequestTiming, TrialRun, steady_itl
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.targets.process import ManagedServer, free_port
@@ -452,7 +449,7 @@ def test_a_metrics_page_that_is_not_prometheus_text_is_read_as_no_metrics():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     import httpx
-    from kvtune.calibrate.probes import _prefill_times, server_info
+    from kvtune.calibrate.server import prefill_times, server_info
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -475,7 +472,7 @@ def test_a_metrics_page_that_is_not_prometheus_text_is_read_as_no_metrics():
 
         async def read():
             async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
-                return await _prefill_times(client)
+                return await prefill_times(client)
         assert asyncio.run(read()) is None
     finally:
         server.shutdown()
@@ -581,7 +578,8 @@ def test_run_and_search_use_a_stored_profile(tmp_path):
 def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):
     """Probe prompts are drawn anew each run: a calibration repeated on a server (whose prefix
     cache still holds the first one's blocks) must time real prefills, not cache hits."""
-    from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
+    from kvtune.calibrate.design import Probe, ProbePlan
+    from kvtune.calibrate.runner import run_probes
     from kvtune.scrape import fetch, metrics_url, parse_exposition
     plan = ProbePlan([Probe("prefill", "prefill L=256", 256, 1, (TTFT,), repeats=2)])
     with sim_server(tmp_path, KNOWN) as server:
@@ -595,7 +593,8 @@ def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):
 def test_a_probe_whose_fresh_prompts_hit_the_prefix_cache_fails_clearly(tmp_path):
     """The same seed twice on one server: the second run's prompts are in the cache, and the
     probe says so instead of timing lookups as prefills."""
-    from kvtune.calibrate.probes import Probe, ProbeOptions, ProbePlan, run_probes
+    from kvtune.calibrate.design import Probe, ProbePlan
+    from kvtune.calibrate.runner import ProbeOptions, run_probes
     plan = ProbePlan([Probe("prefill", "prefill L=256", 256, 1, (TTFT,), repeats=2)])
     with sim_server(tmp_path, KNOWN) as server:
         runs = run_probes(server.url, MODEL, plan, ProbeOptions(seed=7))
@@ -610,7 +609,8 @@ def test_a_loaded_prefix_probes_arrivals_hit_the_warm_prefix_amid_decodes(tmp_pa
     prefix cached (its hit counter), and the replay prices their chunks as chunks after
     context, in the same steps as the batch's decodes."""
     from kvengine.executor.cost import STEP_SHAPE_FIELDS
-    from kvtune.calibrate.probes import Probe, ProbePlan, run_probes
+    from kvtune.calibrate.design import Probe, ProbePlan
+    from kvtune.calibrate.runner import run_probes
     from kvtune.scrape import fetch, metrics_url, parse_exposition
     arrivals, prefix = 6, 256
     plan = ProbePlan([Probe("loaded", "loaded prefix B=4 P=256 S=64", prefix + 64, 1, (TTFT, ITL),

@@ -24,11 +24,8 @@ from kvtune.calibrate.fit import (
     squeezed,
     unseen,
 )
-from kvtune.calibrate.probes import (
-    ITL,
-    chunk_gaps,
-    steady_itl,
-)
+from kvtune.calibrate.design import ITL
+from kvtune.calibrate.timings import chunk_gaps, steady_itl
 from kvtune.store import Store
 
 
@@ -254,7 +251,7 @@ def test_a_stream_sent_in_one_burst_is_timed_as_one_chunk():
     the burst; a stream that came all in one burst has no ITL to give (nan, refused by name)."""
     import asyncio
 
-    from kvtune.calibrate.probes import stream_request
+    from kvtune.calibrate.stream import stream_request
 
     async def stream(url, max_tokens):
         async with httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False) as client:

@@ -11,7 +11,8 @@ from test_calibrate import decode_run, virtual_runs
 
 from kvtune.calibrate import design_probes, speed_drift, step_shapes
 from kvtune.calibrate.fit import FitRefusedError, QuantizedProbes
-from kvtune.calibrate.probes import ITL, ServerInfo
+from kvtune.calibrate.design import ITL
+from kvtune.calibrate.server import ServerInfo
 from kvtune.calibrate.session import DRIFT_WARN, CalibrationRequest, Probed, add_dequant, fit_profile
 
 MAX_MODEL_LEN = 512  # the demo's

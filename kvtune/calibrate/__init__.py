@@ -12,8 +12,11 @@ EXPORTS = exports_of({
     ".session": ("CalibrationRequest", "calibrate_quantized", "calibrate_target", "calibrate_url",
                  "format_profile"),
     ".fit": ("FitResult", "Observation", "fit_coefficients", "fit_dequant", "step_shapes"),
-    ".probes": ("CalibrationError", "Probe", "ProbeOptions", "ProbePlan", "ProbeRun", "ServerInfo",
-                "design_probes", "run_probes", "server_info", "speed_drift"),
+    ".errors": ("CalibrationError",),
+    ".server": ("ServerInfo", "server_info"),
+    ".design": ("Probe", "ProbePlan", "design_probes"),
+    ".timings": ("ProbeRun", "speed_drift"),
+    ".runner": ("ProbeOptions", "run_probes"),
     ".profile": ("CalibrationProfile", "ProfileNotFoundError", "get_profile", "list_profiles",
                  "load_cost_profile", "save_profile"),
 })

@@ -33,7 +33,9 @@ from kvengine.executor.cost import SHAPE_FIELDS, STEP_SHAPE_FIELDS, StepShape
 from kvengine.executor.abstract import SimExecutor
 from kvengine.core.request import SamplingParams
 
-from .probes import ITL, PREFILL_TIME, TTFT, CalibrationError, ProbeRun, merge_repeated
+from .design import ITL, PREFILL_TIME, TTFT
+from .errors import CalibrationError
+from .timings import ProbeRun, merge_repeated
 
 FITTED = ("memory_efficiency", "compute_efficiency", "attention_efficiency", "step_overhead_s",
           "per_seq_overhead_s", "per_prefill_overhead_s", "busy_arrival_overhead_s")
@@ -159,7 +161,7 @@ def _replay(run: ProbeRun, model, device, cfg, kernel: CostCoefficients):
     """An isolated probe: warm-up alone, then the batch at once. The TTFT spans the
     first request's steps up to its first token; the steady ITL averages the steps
     after the last first token and before the first last token (the window of
-    `probes.steady_itl`, which measures its mean gap)."""
+    `timings.steady_itl`, which measures its mean gap)."""
     trial = run.trials[0]
     engine, executor = _engine(model, device, cfg, kernel)
     _warm_up(engine, trial)
@@ -348,7 +350,7 @@ def residual_summary(observations: list[Observation], predicted: np.ndarray | No
 
 
 def _kind_order(kind: str) -> int:
-    from .probes import PROBE_KINDS
+    from .design import PROBE_KINDS
     return PROBE_KINDS.index(kind) if kind in PROBE_KINDS else len(PROBE_KINDS)
 
 

@@ -42,7 +42,7 @@ class CalibrationProfile:
     roofline_residuals: dict = field(default_factory=dict)  # the same for the uncalibrated roofline
     observations: list[dict] = field(default_factory=list)  # label, kind, measure, measured_s, predicted_s
     probe_wall_s: float = 0.0
-    drift: dict = field(default_factory=dict)  # probes.speed_drift: the server's speed, first probe to last
+    drift: dict = field(default_factory=dict)  # timings.speed_drift: the server's speed, first probe to last
     fit: dict = field(default_factory=dict)  # cost, nfev, message
     dtype: str = ""  # the dtype the server ran the model in, where that is not the preset's (plan.served_dtype)
     notes: list[str] = field(default_factory=list)  # what the probes could not cover (ProbePlan.notes)

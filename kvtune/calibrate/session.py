@@ -24,16 +24,11 @@ from .fit import (
     step_shapes,
     unseen,
 )
-from .probes import (
-    CalibrationError,
-    ProbeOptions,
-    ProbeRun,
-    ServerInfo,
-    design_probes,
-    run_probes,
-    server_info,
-    speed_drift,
-)
+from .design import design_probes
+from .errors import CalibrationError
+from .runner import ProbeOptions, run_probes
+from .server import ServerInfo, server_info
+from .timings import ProbeRun, speed_drift
 from .profile import CalibrationProfile
 
 DRIFT_WARN = 0.10  # a server's speed moving more than this while probed gets a warning

@@ -20,10 +20,8 @@ from ..store import Store, resolve_db_url
 from ..targets import TargetStartError
 from .target import add_server_flags, live_target, refuse_unservable, simulated_model_device
 from .args import name_or_url, positive_float, positive_int
-from ..calibrate.probes import (
-    CalibrationError,
-    ProbeOptions,
-)
+from ..calibrate.errors import CalibrationError
+from ..calibrate.runner import ProbeOptions
 from ..calibrate.profile import save_profile
 from ..calibrate.session import CalibrationRequest, calibrate_target, calibrate_url, format_profile
 
