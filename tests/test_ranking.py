@@ -4,6 +4,7 @@ interleaved repeats, early stop and budget, on the real simulator, and `kvtune s
 refusing a target that does not serve before stage 1 starts."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -20,8 +21,11 @@ from kvtune.search.ranking import (
     INCONCLUSIVE,
     KEEP_DEFAULT,
     SMALLEST_CHANGE,
+    ALPHA,
     Measurement,
     choose,
+    compare,
+    meets_in,
 )
 from kvtune.search.stats import interval
 from kvtune.search.stage2 import (
@@ -53,6 +57,16 @@ def runs(params, number, goodputs, **kw):
     return [run(params, number, i + 1, g, **kw) for i, g in enumerate(goodputs)]
 
 
+def trials_named(note: str) -> list[int]:
+    """The trial numbers a note or a reason names, in its order."""
+    return [int(n) for n in re.findall(r"trial (\d+)", note)]
+
+
+def numbers(text: str) -> list[float]:
+    """Every number in a text, in its order."""
+    return [float(n) for n in re.findall(r"\d+(?:\.\d+)?", text)]
+
+
 def test_intervals_are_deterministic_and_hold_the_mean():
     assert interval([3.0]).lo == interval([3.0]).hi == 3.0
     iv = interval([3.1, 5.5, 6.6])
@@ -64,17 +78,20 @@ def test_overlapping_runs_keep_the_default_even_when_a_mean_is_higher():
     # the issue's own numbers: candidates 3.10 / 5.52 / 6.64, the default 3.55 / 6.11 / 6.39
     live = runs(B, 7, [3.10, 5.52, 6.64]) + runs(DEFAULT, -1, [3.55, 6.11, 6.39])
     verdict, candidates, default = choose([], live, [SLO], DEFAULT)
-    assert verdict.kind == KEEP_DEFAULT and verdict.recommended.is_default
-    assert "keep the default" in describe(verdict) and "3 runs of each config" in describe(verdict)
+    assert verdict.kind == KEEP_DEFAULT and verdict.recommended.is_default and verdict.stage == "live"
+    tests = [compare(c, default, [SLO]) for c in candidates[:-1]]
+    assert all(t is None or t.p >= ALPHA for t in tests)  # no test says any config beats the default
+    assert {len(c.runs) for c in candidates} == {3} and verdict.recommended.live.repeat == 3
     assert candidates[-1].is_default and candidates[-1].spread["value"].n == 3
 
 
 def test_beyond_the_spread_wins_and_ties_at_the_top_go_to_the_smallest_change():
     live = (runs(B, 7, [8.0, 8.2, 8.1]) + runs(A, 9, [7.9, 8.15, 8.05]) + runs(DEFAULT, -1, [5.0, 5.1, 4.9]))
-    verdict, _, _ = choose([], live, [SLO], DEFAULT)
+    verdict, _, default = choose([], live, [SLO], DEFAULT)
     assert verdict.kind == BETTER
     assert verdict.leader.params == B and verdict.recommended.params == A  # tied with B; one flag, not three
-    assert "beats the default" in verdict.reasons[0]
+    assert compare(verdict.recommended, default, [SLO]).p < ALPHA
+    assert trials_named(verdict.reasons[0]) == [9]  # the reason is the recommended config's
 
 
 def test_meeting_an_slo_in_every_run_that_the_default_misses_in_every_run_wins():
@@ -102,7 +119,8 @@ def test_doubtful_runs_make_the_verdict_inconclusive_and_recommend_nothing():
 def test_no_live_run_completing_is_no_measurement():
     failed = [Measurement("live", -1, dict(DEFAULT), "FAIL", reason="the server did not start", repeat=1)]
     verdict, _, _ = choose([], failed, [SLO], DEFAULT)
-    assert verdict.kind == FAILED and not verdict.measured and "did not start" in verdict.reasons[0]
+    assert verdict.kind == FAILED and not verdict.measured and verdict.recommended is None
+    assert len(verdict.reasons) == 1 and verdict.reasons[0].endswith(failed[0].reason)  # the run's own reason
 
 
 def test_the_simulator_alone_ties_within_two_percent_and_keeps_the_default_then():
@@ -110,8 +128,8 @@ def test_the_simulator_alone_ties_within_two_percent_and_keeps_the_default_then(
         return Measurement("sim", number, dict(params), "COMPLETE", values=[value],
                            constraints={SLO.name: -0.1}, observed={SLO.name: 0.4})
     verdict, _, _ = choose([sim(B, 1, 7.15), sim(A, 2, 7.14), sim(DEFAULT, 0, 7.05)], [], [SLO], DEFAULT)
-    assert verdict.kind == KEEP_DEFAULT and verdict.stage == "sim"
-    assert "on the simulator only" in describe(verdict)
+    assert verdict.kind == KEEP_DEFAULT and verdict.stage == "sim" and verdict.recommended.is_default
+    assert [c.params for c in verdict.tied] == [B, A, DEFAULT]  # within 2 % of each other
     verdict, _, _ = choose([sim(B, 1, 7.15), sim(A, 2, 7.14), sim(DEFAULT, 0, 5.0)], [], [SLO], DEFAULT)
     assert verdict.kind == BETTER and verdict.recommended.params == A  # tied with B, the smaller change
 
@@ -157,8 +175,8 @@ def test_an_interrupted_stage2_resumes_with_its_counts_budget_and_rows_as_if_it_
     rows = sorted(store.list_runs(study="s"), key=lambda r: r.id)
     failed = [r for r in rows if r.status == "failed"]
     assert len(rows) == 7 and len(failed) == 1 and failed[0].label == "live default #2"
-    verdict, _, _ = choose([], [o.measurement for o in outcomes], [SLO], dflt)
-    assert "3 runs of each config" in describe(verdict)
+    verdict, candidates, _ = choose([], [o.measurement for o in outcomes], [SLO], dflt)
+    assert [len(c.runs) for c in candidates] == [3, 3] and {c.live.repeat for c in candidates} == {3}
 
 
 def test_stage2_interleaves_its_repeats_stores_each_runs_score_and_stops_once_separated(tmp_path):
@@ -183,7 +201,7 @@ def test_a_live_budget_drops_the_weakest_candidates_never_the_default(tmp_path):
     plan = LivePlan(repeats=2, max_repeats=2, budget=4)
     outcomes, _, _ = stage2(tmp_path, plan, [fp8, few])
     assert len(outcomes) == 4 and {o.candidate.label for o in outcomes} == {"trial 0", "default"}
-    assert any("leaves out trial 1" in n for n in plan.notes)
+    assert [trials_named(n) for n in plan.notes] == [[1]]  # the note names the one left out
 
 
 def test_search_refuses_a_target_that_does_not_serve_before_stage_1(tmp_path):
@@ -230,7 +248,8 @@ def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
     trials[2].values = [trials[2].values[0] * 0.95]  # as a config the sim scored lower would be
     candidates, notes = live_candidates(trials, 2, DEFAULT)
     assert [c.params for c in candidates] == [DEFAULT, A, configs[2]]
-    assert len(notes) == 1 and "trial 1 stands for trial 0" in notes[0] and f"within {SIM_TIE:.0%}" in notes[0]
+    assert len(notes) == 1 and trials_named(notes[0]) == [1, 0]  # trial 1 stands for trial 0
+    assert f"{SIM_TIE:.0%}" in notes[0]
     # Within SIM_TIE they are still one result; beyond it, each is its own candidate.
     value = trials[0].values[0]
     for factor, one in ((1 - 0.9 * SIM_TIE, True), (1 - 1.1 * SIM_TIE, False)):
@@ -267,9 +286,8 @@ def test_stage2_candidates_drop_the_knobs_whose_default_gives_the_same_result(tm
     assert [t.user_attrs.get(SIMPLIFIES) for t in (by_params[(16, 256)], by_params[(16, 8)])] == [leader, leader]
     assert count_taken(study) == 1  # on top of --trials: a resumed search samples none in their place
     assert by_params[(16, 8)].values[0] < 0.5 * by_params[(32, 256)].values[0]  # the queue: not the same
-    assert notes == [f"trial {by_params[(16, 256)].number} is trial {by_params[(32, 256)].number} without "
-                     f"block_size 32 (back at the default's value): the simulator scores it the same within "
-                     f"{SIM_TIE:.0%}"]
+    assert len(notes) == 1 and trials_named(notes[0]) == [by_params[(16, 256)].number, leader]
+    assert "block_size 32" in notes[0] and "max_num_seqs" not in notes[0]  # the knob dropped, not the one kept
     candidates, _ = live_candidates(ranked, 1, dflt)
     assert [c.params for c in candidates] == [dflt, dflt | {"max_num_seqs": 256}]
 
@@ -286,14 +304,12 @@ def test_a_result_the_default_stands_for_takes_no_place_of_the_top_k():
         trials.append(trial)
     candidates, notes = live_candidates(trials, 1, DEFAULT)
     assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 2", lower)]
-    assert notes == [f"trial 1 stands for trial 0 in stage 2: the simulator scored them within {SIM_TIE:.0%} of "
-                     "each other (one result at its precision), and it is the smallest change"]
+    assert len(notes) == 1 and trials_named(notes[0]) == [1, 0]  # the default (trial 1) stands for trial 0
     # Where every config is level with the default, the sim's leader still runs live beside it.
     trials[2].values = [10.0]
     candidates, notes = live_candidates(trials, 1, DEFAULT)
     assert [(c.label, c.params) for c in candidates] == [("default", DEFAULT), ("trial 0", level)]
-    assert "trial 0 runs live though the simulator scores it level with the default" in notes[0]
-    assert notes[1].startswith("trial 1 stands for trial 2 in stage 2")
+    assert [trials_named(n) for n in notes] == [[0], [1, 2]]  # trial 0 runs live; the default stands for trial 2
 
 
 def test_a_result_enters_as_its_smallest_change_whatever_the_simulators_order_inside_it():
@@ -327,8 +343,7 @@ def test_the_race_enters_distinct_results_first_and_level_configs_only_in_places
     assert [c.params for c in live_candidates(trials, 2, DEFAULT)[0]] == [DEFAULT, lower, lowest]
     candidates, notes = live_candidates(trials, 3, DEFAULT)
     assert [c.params for c in candidates] == [DEFAULT, lower, lowest, level]
-    assert notes == ["trial 1 runs live though the simulator scores it level with the default: the live stage "
-                     "tells apart what the simulator cannot"]
+    assert [trials_named(n) for n in notes] == [[1]]  # the one entrant level with the default
 
 
 def test_a_config_meeting_the_slos_in_every_run_is_preferred_to_a_higher_mean_that_missed_one():
@@ -336,9 +351,11 @@ def test_a_config_meeting_the_slos_in_every_run_is_preferred_to_a_higher_mean_th
             + runs(A, 9, [8.0, 8.2, 8.1], ttft=0.3) + runs(DEFAULT, -1, [5.0, 5.1, 4.9], ttft=0.45))
     verdict, _, _ = choose([], live, [SLO], DEFAULT)
     assert verdict.kind == BETTER and verdict.leader.params == A and verdict.recommended.params == A
-    assert [c.params for c in verdict.fragile] == [B]
-    assert any("trial 7 had a higher mean (9.23 against 8.1) but met the SLOs in only 2 of 3 runs: trial 9, which "
-               "met them in every run, is preferred" in r for r in verdict.reasons), verdict.reasons
+    assert [c.params for c in verdict.fragile] == [B] and meets_in(verdict.fragile[0]) == (2, 3)
+    assert meets_in(verdict.recommended) == (3, 3)
+    # the reason naming the fragile trial 7: its mean against trial 9's, its 2 of 3 runs, trial 9 preferred
+    said = [numbers(r) for r in verdict.reasons if r.startswith("trial 7 ")]
+    assert said == [[7, 9.23, 8.1, 2, 3, 9]], verdict.reasons
 
 
 def test_a_tie_goes_by_the_simulators_order_not_by_the_live_means():
@@ -372,7 +389,7 @@ def test_between_equal_gains_an_unquantized_kv_cache_is_preferred_whatever_the_s
         live = runs(fp8, 1, [8.3, 8.1, 8.2]) + runs(small_blocks, 2, [8.0, 8.2, 8.1]) + runs(DEFAULT, 0, [2.0, 2.1, 1.9])
         verdict, _, _ = choose(trials, live, [SLO], DEFAULT)
         assert verdict.kind == BETTER and verdict.recommended.params == small_blocks
-        assert verdict.reasons[1] == "trial 1 also beats the default and ties with trial 2, the smaller change"
+        assert trials_named(verdict.reasons[0]) == [2] and trials_named(verdict.reasons[1]) == [1, 2]
 
 
 def test_a_stage1_recommendation_is_among_the_configs_compared_even_ranked_below_the_top():
@@ -397,10 +414,11 @@ def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_on
     and nothing claims that no config beats the default."""
     live = (runs(B, 10, [29.09, 29.71, 22.53]) + runs(A, 15, [22.07, 23.06, 16.74])
             + runs(DEFAULT, -1, [7.82, 14.84, 16.96]))
-    verdict, _, _ = choose([], live, [SLO], DEFAULT)
+    verdict, _, default = choose([], live, [SLO], DEFAULT)
     assert [c.params for c in verdict.tied] == [B, A]
     assert verdict.kind == BETTER and verdict.recommended.params == B
-    assert "beats the default" in verdict.reasons[0]
+    assert compare(verdict.recommended, default, [SLO]).p < ALPHA / 2  # Holm's first step over the two tied
+    assert compare(verdict.tied[1], default, [SLO]).p >= ALPHA  # A alone is not shown to gain
 
 
 def test_intervals_are_student_t_and_cover_the_mean_as_often_as_they_say():
@@ -443,16 +461,17 @@ def test_the_headline_names_the_flags_to_set_and_the_reasons_the_test():
     live = runs(B, 7, [8.0, 8.3, 8.1]) + runs(DEFAULT, -1, [5.0, 5.4, 4.9])
     verdict, _, _ = choose([], live, [SLO], DEFAULT)
     assert verdict.kind == BETTER
-    assert "set `--block-size 32 --max-num-seqs 64 --kv-cache-dtype fp8`, everything else as the default" \
-        in describe(verdict)
-    assert "Welch t, one-sided p = " in verdict.reasons[0] and "Holm over 1 comparison" in verdict.reasons[0]
+    assert "`--block-size 32 --max-num-seqs 64 --kv-cache-dtype fp8`" in describe(verdict)
+    p = float(re.search(r"p = ([\d.e-]+);", verdict.reasons[0]).group(1))
+    assert p < ALPHA and int(re.search(r"Holm over (\d+) comparison", verdict.reasons[0]).group(1)) == 1
 
 
 def test_a_config_meeting_the_slos_in_some_runs_is_named_fragile():
     live = runs(A, 3, [4.0, 4.1, 4.05]) + [run(DEFAULT, -1, 1, 4.1, ttft=0.3), run(DEFAULT, -1, 2, 4.0, ttft=0.9),
                                            run(DEFAULT, -1, 3, 4.05, ttft=0.4)]
-    verdict, _, _ = choose([], live, [SLO], DEFAULT)
-    assert "the default met the SLOs in 2 of 3 runs" in verdict.reasons
+    verdict, _, default = choose([], live, [SLO], DEFAULT)
+    assert meets_in(default) == (2, 3)
+    assert [2, 3] in [numbers(r) for r in verdict.reasons]  # a reason names the default's 2 of 3 runs
 
 
 def test_a_configs_figure_is_one_number_wherever_it_is_shown():

@@ -17,6 +17,8 @@ from kvtune.plan import plan_capacity
 from kvtune.cli.report import add_report_command
 from kvtune.report import ReportError, write_report
 from kvtune.report.capacity import capacity_for
+from kvtune.report.diagnoses import run_diagnoses
+from kvtune.report.importance import MIN_TRIALS, param_importance
 from kvtune.search.report_data import RunView, load_report_data
 from kvtune.results import engine_config
 from kvtune.results import RunResult
@@ -29,6 +31,7 @@ from kvtune.search import (
     parse_slo,
     ranked_trials,
 )
+from kvtune.search.ranking import FAILED, INFEASIBLE
 from kvtune.search.stage2 import LiveConfig, default_params, representable, run_stage2
 from kvtune.store import Store
 from kvtune.targets import SimTarget
@@ -173,7 +176,13 @@ def test_stage_comparison_and_default_are_shown(two_stage):
     stages = section(text, "## 2. Stage 1")
     live = Store(db).list_trials("two", stage="live")
     assert stages.count("\n| trial ") + stages.count("\n| the default ") == len(live)
-    assert "vs the target's default config (measured on the simulator" in text
+    # the summary's table of the recommended config against the default, with both one's live figures
+    data = load_report_data(db, "two")
+    head, dflt = data.headline, data.default
+    assert not head.is_default and f"|  | {head.label} | default | change |" in section(text, "## 1. Summary")
+    for row, key in (("goodput", "goodput_rps"), ("throughput", "throughput_rps")):
+        shown = [float(cell.split()[0]) for cell in table_row(text, row)[:2]]
+        assert shown == pytest.approx([head.figure(key, "live"), dflt.figure(key, "live")], abs=0.006)
     assert "max_num_seqs` 1024" in text  # the default (not in the searched range) ran in stage 2 only
     assert "Diagnoses" in text and "### the default" in section(text, "## 5. Diagnoses")
     capacity = section(text, "## 6. Capacity plan")
@@ -189,24 +198,31 @@ def test_trials_table_lists_every_trial(two_stage):
     live_runs = [r for r in Store(db).list_runs(study="two") if (r.label or "").startswith("live ")]
     assert len(live_runs) == 3 * len(Store(db).list_trials("two", stage="live"))  # 3 runs of each live config
     assert len(re.findall(r"^\| live \|", table, re.MULTILINE)) == len(live_runs)
-    assert "Parameter importance needs" not in md.read_text()  # 12 trials: importance is computed
+    assert "](importance.png)" in md.read_text()  # 12 trials: importance is computed and drawn
 
 
 def test_no_feasible_config_says_so_first_with_the_closest_and_why(hopeless):
-    _, study, md, html = hopeless
+    db, study, md, html = hopeless
     text = md.read_text()
     top = section(text, "## 1. Summary")
-    assert "No configuration met the SLOs (on the simulator only, not confirmed on a server)" in top
+    data = load_report_data(db, "hopeless")
+    assert data.verdict.kind == INFEASIBLE and data.verdict.stage == "sim" and data.verdict.recommended is None
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     closest = min(done, key=lambda t: (t.user_attrs["observed_ttft_p95"], t.number))
-    assert f"The closest is **trial {closest.number}**" in top
+    assert data.verdict.closest.label == f"trial {closest.number}" and f"**trial {closest.number}**" in top
+    assert [m.slo for m in data.verdict.misses] == ["ttft_p95"]
     observed_ms = closest.user_attrs["observed_ttft_p95"] * 1000
     shown = f"{observed_ms:,.0f} ms" if observed_ms >= 100 else f"{observed_ms:.1f} ms"
     assert f"TTFT p95 {shown} vs the 1.0 ms limit" in top
-    assert "no critical or warning fault" in top  # light traffic: no fault explains a 1 ms TTFT
+    # light traffic: no critical or warning fault explains a 1 ms TTFT, and the top names none
+    faults = run_diagnoses(db, data.best_run, data.info.slos)
+    assert not [d for d in faults if d.severity in ("critical", "warning")]
+    assert not re.search(r"\*\*F\d+\*\*", top)
     assert "Recommended" not in top and "Launch commands (closest config)" in top
-    assert "Parameter importance needs at least 10 completed trials; this study has 5" in text
-    assert "No configuration met the SLOs" in html.read_text()
+    importance = param_importance(study, "goodput")  # 5 trials: too few to rank the knobs, and said so
+    assert importance.values is None and importance.note in text and "](importance.png)" not in text
+    assert MIN_TRIALS == 10 and str(len(done)) in importance.note
+    assert f"<strong>trial {closest.number}</strong>" in html.read_text()  # the HTML has the same top
 
 
 def test_every_trial_failing_is_reported_with_the_reasons(tmp_path):
@@ -214,7 +230,10 @@ def test_every_trial_failing_is_reported_with_the_reasons(tmp_path):
                         space=[*SPACE[:3], "gpu_memory_utilization=0.10:0.15:0.05"])
     md, _ = write_report(db, "oom", str(tmp_path / "out"))
     text = md.read_text()
-    assert "No trial completed" in text and "do not fit" in text
+    data = load_report_data(db, "oom")
+    assert data.verdict.kind == FAILED and data.verdict.stage is None and data.headline is None
+    reasons = {t.reason for t in data.trials}
+    assert None not in reasons and all(r in section(text, "## 1. Summary") for r in reasons)  # each trial's reason
     assert len(re.findall(r"^\| sim \| \d+ \| failed \|", text, re.MULTILINE)) == 3
 
 
@@ -351,7 +370,7 @@ def test_capacity_plan_with_a_fixed_pool_says_so_instead_of_utilisation(tmp_path
                         base=EngineConfig(max_model_len=4096, kv_cache_memory_bytes=8 << 30))
     md, _ = write_report(db, "fixed", str(tmp_path / "out"))
     capacity = section(md.read_text(), "## 6. Capacity plan")
-    assert "KV pool fixed at 8.00 GiB (--kv-cache-memory-bytes / the server's environment)" in capacity
+    assert "8.00 GiB (--kv-cache-memory-bytes" in capacity
     assert "device memory" not in capacity and "minus weights" not in capacity
     assert table_row(capacity, "KV pool") == ["8.00 GiB", "8.00 GiB"]
     assert table_row(capacity, "tokens that fit") == [f"{(8 << 30) // (128 << 10) // 16 * 16:,}",
@@ -411,10 +430,10 @@ def test_launch_lines_carry_the_measured_servers_flags_and_label_the_others_unte
     assert "untested translation" in sglang.note and "untested translation" in engine.note
     assert "--executor sim" in engine.text
     *_, engine = launch_commands(config, "tiny", "cpu", None, {"launch_server": "engine", "executor": "torch"})
-    assert "--executor torch" in engine.text and "as it was measured" in engine.note
+    assert "--executor torch" in engine.text and "untested" not in engine.note and "torch" in engine.note
     assert "--kv-cache-memory-bytes 1073741824" in engine.text  # asked of that server: kept
     *_, engine = launch_commands(config, "tiny", "cpu", None, {})  # a study of the simulator alone
-    assert "the simulator that measured this config" in engine.note and "another server" not in engine.note
+    assert "untested" not in engine.note and "--executor sim" in engine.note  # the simulator measured it
 
 
 def test_parameter_importance_is_not_drawn_from_differences_within_the_simulators_tie(tmp_path):

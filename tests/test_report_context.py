@@ -12,6 +12,8 @@ import pytest
 from kvtune.environment import host_environment
 from kvtune.report import write_report
 from kvtune.report.context import ENVIRONMENT_ATTR
+from kvtune.search.report_data import load_report_data
+from kvtune.store import Store
 from kvtune.workload import (
     TraceRequest,
     Workload,
@@ -63,11 +65,23 @@ def row(text: str, label: str) -> str:
     return m.group(1)
 
 
+def versions(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("- **Versions**"))
+
+
+def stored_run_named(text: str, db: str) -> int:
+    """The stored run whose workload figures the section says it shows (the trace file is not usable)."""
+    data = load_report_data(db, "ctx")
+    named = [int(n) for n in re.findall(r"\bsim run (\d+) ", text)]
+    assert len(named) == 1 and named[0] in {r.run_id for r in (data.best_run, data.default_run) if r}, text
+    return named[0]
+
+
 def test_workload_figures_match_the_trace_with_their_units(study):
     tmp, path, db = study
     md, html = write_report(db, "ctx", str(tmp / "plain"))
     text = section(md.read_text())
-    assert f"From the trace file `{path}`" in text
+    assert f"`{path}`" in text and not re.search(r"\bsim run \d+ ", text)  # the file, read again; no stored run
     assert row(text, "requests") == str(REQUESTS)
     assert row(text, "prompt length p50") == f"{PROMPT_P50} tokens"
     assert row(text, "prompt length max") == f"{96 + BLOCK * (REQUESTS - 1)} tokens"
@@ -77,18 +91,24 @@ def test_workload_figures_match_the_trace_with_their_units(study):
     block = int(re.search(r"ideal prefix-cache hit rate \((\d+)-token blocks", text).group(1))
     ideal = workload_stats(read_workload(str(path)), block_size=block)["ideal_prefix_hit_rate"]
     assert 0 < ideal < 1
-    assert row(text, f"ideal prefix-cache hit rate ({block}-token blocks, unbounded cache)") == \
-        f"{ideal * 100:.1f} % of prompt tokens"
-    assert f"kvtune {metadata.version('kvtune')} wrote this report" in text
+    shown = row(text, f"ideal prefix-cache hit rate ({block}-token blocks, unbounded cache)")
+    assert float(shown.split(" %")[0]) == pytest.approx(ideal * 100, abs=0.05)
+    assert versions(text).count(f"kvtune {metadata.version('kvtune')}") == 2  # wrote the report, ran the search
     assert re.search(r"\*\*Report written\*\* \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", text)
     assert re.search(r"\*\*Stage 1 ran\*\* from .* UTC to .* UTC \([\d.,]+ (s|min|h)\b.*, 6 trials\)", text)
-    assert "simulated device `cpu` (16.00 GiB" in text and "Stage 2** (live re-runs) did not run" in text
+    assert "`cpu` (16.00 GiB" in text and load_report_data(db, "ctx").live == []  # stage 1 only
     assert "**Search host**" in text and "not recorded" not in text  # the search stored where it ran
     m = re.search(r"peak KV usage ([\d.]+) % of the pool \(([\d.]+) % headroom\), measured on the simulator", text)
     assert m and float(m.group(1)) + float(m.group(2)) == pytest.approx(100, abs=0.11)
-    assert re.search(r"The pool holds [\d,]+ tokens \([\d,]+ blocks × \d+ tokens, .*\): about [\d,]+ tokens in use "
-                     r"at the peak, [\d,]+ tokens free", text)
-    assert "What was measured, where, when" in html.read_text()
+    pool = re.search(r"holds ([\d,]+) tokens \(([\d,]+) blocks × (\d+) tokens, [^)]*\): about ([\d,]+) tokens\D*"
+                     r"([\d,]+) tokens free", text)
+    assert pool, text
+    tokens, blocks, block_size, used, free = (int(g.replace(",", "")) for g in pool.groups())
+    assert tokens == blocks * block_size and used + free == (blocks - 1) * block_size  # less vLLM's null block
+    data = load_report_data(db, "ctx")
+    peak = data.headline.measured.summary.get("kv_usage_peak") or data.best_run.result.summary["kv_usage_peak"]
+    assert used == round(peak * (blocks - 1)) * block_size  # the headline config's measured peak
+    assert SECTION.removeprefix("## ") in html.read_text()
     assert md.read_text().index(SECTION) < md.read_text().index("## 2.")  # right after the summary
 
 
@@ -108,8 +128,11 @@ def test_hardware_from_the_studys_environment(study):
     host = next(line for line in text.splitlines() if line.startswith("- **Search host**"))
     assert "not recorded" not in host
     assert f"{env['cpu_count']} logical cores" in host and " GiB memory" in host and "no GPU" in host
-    assert f"the search ran kvtune {env['kvtune']}" in text and f"Python {env['python']}" in text
-    assert "read in this machine's zone" not in text  # the host's UTC offset was recorded
+    assert versions(text).count(f"kvtune {env['kvtune']}") == 2 and f"Python {env['python']}" in versions(text)
+    assert versions(section(bare.read_text())).count("kvtune ") == 1  # no search version without the environment
+    # the host's UTC offset was recorded: Stage 1's times need no caveat after them
+    assert isinstance(stored["utc_offset_s"], int)
+    assert next(line for line in text.splitlines() if "**Stage 1 ran**" in line).endswith(" trials).")
 
 
 def test_workload_from_the_stored_run_when_the_trace_is_gone(study):
@@ -121,7 +144,8 @@ def test_workload_from_the_stored_run_when_the_trace_is_gone(study):
     finally:
         os.replace(moved, path)
     text = section(md.read_text())
-    assert f"the trace file `{path}` is not on this machine" in text and "measured them when it ran" in text
+    stored_run_named(text, db)  # figures as a stored run measured them
+    assert f"`{path}`" in text  # the file that is not here, named
     assert row(text, "requests") == str(REQUESTS)
     assert row(text, "prompt length p50") == f"{PROMPT_P50} tokens"
 
@@ -136,8 +160,12 @@ def test_a_trace_changed_since_the_search_is_not_passed_off_as_the_one_measured(
     finally:
         path.write_bytes(kept)
     text = section(md.read_text())
-    assert f"the trace file `{path}` has changed since the search (it now holds 5 requests)" in text
+    # the stored run's figures, not the changed file's; the file named, with what it holds now
+    run_id = stored_run_named(text, db)
+    assert f"`{path}`" in text and "5 requests" in text
     assert row(text, "requests") == str(REQUESTS)
+    with Store(db) as store:
+        assert store.load_run(run_id).workload["requests"] == REQUESTS
 
 
 def test_host_environment_has_sane_facts():
