@@ -17,12 +17,13 @@ PAGES = (("runs.py", "Runs", ":material/monitoring:"), ("search.py", "Search", "
 def main() -> None:
     st.set_page_config(page_title="kvtune", page_icon=":material/memory:", layout="wide")
     pages = [st.Page(path, title=title, icon=icon, default=i == 0) for i, (path, title, icon) in enumerate(PAGES)]
-    page = st.navigation(pages)
+    # The pages along the top, not in a sidebar: the tables get the page's whole width.
+    page = st.navigation(pages, position="top")
     db = data.database()
-    with st.sidebar:
-        st.markdown("**kvtune**: the KV cache of LLM servers, measured, explained and tuned")
-        st.caption(f"Database: `{db.display_url}` (read only)")
     page.run()
+    st.divider()
+    st.caption(f"**kvtune**: the KV cache of LLM servers, measured, explained and tuned. "
+               f"Database: `{db.display_url}` (read only).")
 
 
 main()
