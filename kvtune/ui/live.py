@@ -12,7 +12,7 @@ from kvtune.diagnose import diagnose
 from kvtune.targets.watch import WatchError, history, result_from_scrape
 from kvtune.report import fmt
 from kvtune.scrape import ScrapeError, ScrapeLog, Scraper
-from kvtune.ui import charts, runs, widgets
+from kvtune.ui import charts, runs, tables, widgets
 
 MAX_SNAPSHOTS = 3600  # an hour at one a second: older ones are dropped
 STATE = "live_watch"
@@ -106,9 +106,7 @@ def watch_view() -> None:
         charts.show(figure)
     st.subheader("Latency from the server's histograms")
     frame = runs.latency_frame(result.summary)
-    st.dataframe(frame[["latency", "server p50", "server p95", "server p99"]], hide_index=True, key="live_latency",
-                 column_config={c: st.column_config.NumberColumn(c + " (ms)", format="%.1f")
-                                for c in ("server p50", "server p95", "server p99")})
+    tables.table(frame[["latency", "server p50", "server p95", "server p99"]], key="live_latency")
     st.subheader("Diagnosis")
     widgets.diagnosis_cards(diagnose(result), key="live")
 

@@ -23,7 +23,7 @@ from kvengine.core.memory import KVCacheMemoryError
 
 from kvtune.plan import CapacityPlan, ModelChoice, plan_capacity, planned_device, planned_model
 from kvtune.report import fmt
-from kvtune.ui import charts
+from kvtune.ui import charts, tables
 
 CUSTOM = "custom"
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -68,7 +68,7 @@ def memory_frame(plan: CapacityPlan) -> pd.DataFrame:
         rows += [(f"− activation peak ({cfg.max_num_batched_tokens:,} batched tokens)", plan.activation_bytes),
                  ("− overhead (CUDA context, graphs)", plan.overhead_bytes)]
     rows.append((f"= KV pool ({plan.primary.kv_cache_dtype})", plan.primary.pool_bytes))
-    return pd.DataFrame([{"": label, "GiB": round(value / GiB, 2)} for label, value in rows])
+    return pd.DataFrame([{"": label, "size (GiB)": value / GiB} for label, value in rows])
 
 
 def model_inputs() -> ModelChoice:
@@ -144,8 +144,7 @@ def show_plan(plan: CapacityPlan) -> None:
     longest = max(plan.contexts)
     cols[3].metric(f"Requests at {longest:,} tokens", f"{primary.max_concurrency[str(longest)]:,.1f}",
                    delta=f"{primary.contiguous_requests:,} if contiguous", delta_color="off", delta_arrow="off")
-    st.dataframe(capacity_frame(plan), hide_index=True, key="plan_table",
-                 column_config={"": st.column_config.TextColumn(width="large")})
+    tables.table(capacity_frame(plan), key="plan_table", column_config={"": st.column_config.TextColumn(width="large")})
     charts.show(charts.capacity(plan))
     if primary.contiguous_requests == 0:
         st.warning(f"The pool cannot hold one request of max_model_len {plan.config.max_model_len:,} reserved "
@@ -154,7 +153,7 @@ def show_plan(plan: CapacityPlan) -> None:
                "contiguous row is what a server reserving the worst case per request holds in the same memory. "
                "Plan for the p99 context, not the mean.")
     with st.expander("Where the memory goes"):
-        st.dataframe(memory_frame(plan), hide_index=True, key="plan_memory_table")
+        tables.table(memory_frame(plan), key="plan_memory_table")
 
 
 if __name__ == "__main__":
