@@ -6,7 +6,7 @@ import streamlit as st
 
 from kvtune.diagnose import SEVERITIES
 from kvtune.store import RunSummaryRow
-from kvtune.ui import data, widgets
+from kvtune.ui import data, tables, widgets
 
 OVERVIEW_RUNS = 50  # the newest runs counted in the overview table
 
@@ -16,9 +16,9 @@ def overview_frame(url: str, rows: list[RunSummaryRow]) -> pd.DataFrame:
     out = []
     for row in rows[:OVERVIEW_RUNS]:
         stored = data.stored_diagnoses(url, row.id)
-        out.append({"run": row.id, "label": row.label or row.study or row.target, "target": row.target,
+        out.append({"run": row.id, "label": widgets.run_name(row), "target": row.target,
                     **{s: sum(d.severity == s for d in stored) for s in SEVERITIES},
-                    "stored faults": " ".join(d.fault_id for d in stored)})
+                    "stored faults": " ".join(d.fault_id for d in stored) or None})
     return pd.DataFrame(out)
 
 
@@ -45,7 +45,7 @@ def render() -> None:
         st.code(widgets.fill_commands(db), language="bash")
         return
     with st.expander(f"Stored findings of the newest {min(len(rows), OVERVIEW_RUNS)} runs"):
-        st.dataframe(overview_frame(db.url, rows), hide_index=True, key="diagnoses_overview")
+        tables.table(overview_frame(db.url, rows), key="diagnoses_overview")
     ordered = worst_first(db.url, rows)
     by_id = {r.id: r for r in ordered}
     run_id = st.selectbox("Run", list(by_id), format_func=lambda i: widgets.run_label(by_id[i]),
@@ -57,8 +57,10 @@ def render() -> None:
     if row.status == "running":
         st.info("This run is still in progress: it is diagnosed once it is stored whole.")
         return
-    if not stored:
+    if not stored and diagnoses:
         st.caption(f"Worked out now by the fault rules, not stored (`kvtune diagnose --run {row.id}` stores them).")
+    # No findings: the store keeps findings only, so a run diagnosed with none (`kvtune run` and `kvtune
+    # diagnose --run` diagnose what they store) reads like one never diagnosed; worked out now, none fire.
     widgets.diagnosis_cards(diagnoses, key=f"diag{row.id}", headings=True)
 
 

@@ -10,10 +10,13 @@ import streamlit as st
 
 from ..diagnose import SEVERITIES, Diagnosis
 from ..diagnose.render import show
+from ..report.context import SERVER_NAMES
 from ..store import RunSummaryRow
+from . import tables
 from .data import Database
 
 SEVERITY_BADGES = {"critical": ("red", "Critical"), "warning": ("orange", "Warning"), "info": ("blue", "Info")}
+UNKNOWN = "unknown"  # a run's device when nobody said (`kvtune run --target URL` without --device)
 
 
 def demo_trace() -> str:
@@ -53,11 +56,36 @@ def empty_screen(db: Database, what: str = "runs or studies") -> None:
                "The Planner and Live pages work without any stored data.")
 
 
+def known(value: str | None) -> str | None:
+    """None (shown as the report's dash) for what the run record says nobody knew."""
+    return None if value in (None, "", UNKNOWN) else value
+
+
+def run_name(row: RunSummaryRow) -> str:
+    return row.label or (f"{row.study} trial {row.trial_number}" if row.study else target_name(row.target))
+
+
+def target_name(target: str) -> str:
+    """The report's name of what ran a run: 'running server' for a URL's, 'vLLM'; the target's own otherwise."""
+    return SERVER_NAMES.get(target, target)
+
+
+def run_where(row: RunSummaryRow, with_target: bool = True) -> str:
+    """What ran the run, in the record's words: 'sim, llama-3-8b on h100-80gb', 'running server, llama-3-8b'
+    (a device nobody gave is left out). A run of a URL holds the URL as its model until the served model's
+    name replaces it: while it runs, and when it failed, it reads 'running server at http://…'."""
+    parts = [target_name(row.target)] if with_target else []
+    if row.target == "url" and row.model.startswith(("http://", "https://")):
+        return " ".join([*parts, f"at {row.model}"])
+    device = known(row.device)
+    return ", ".join([*parts, f"{row.model} on {device}" if device else row.model])
+
+
 def run_label(row: RunSummaryRow) -> str:
-    name = row.label or (f"{row.study} trial {row.trial_number}" if row.study else row.target)
     when = row.created_at.strftime("%Y-%m-%d %H:%M")
     status = "" if row.status == "ok" else f" [{row.status}]"
-    return f"#{row.id} {name} ({row.target}, {row.model} on {row.device}, {when}){status}"
+    where = run_where(row, with_target=bool(row.label or row.study))  # else its name is the target's
+    return f"#{row.id} {run_name(row)} ({where}, {when}){status}"
 
 
 def diagnosis_cards(diagnoses: list[Diagnosis], key: str, headings: bool = False) -> None:
@@ -76,12 +104,12 @@ def diagnosis_cards(diagnoses: list[Diagnosis], key: str, headings: bool = False
             with st.container(border=True, key=f"{key}-{severity}-{i}"):
                 st.markdown(f":{colour}-badge[{label}] **{d.id}**: {d.symptom}")
                 if d.evidence:
-                    st.dataframe(evidence_frame(d), hide_index=True)
+                    tables.table(evidence_frame(d))
                 st.markdown(f"**Cause:** {d.cause}")
                 st.markdown(f"**Fix:** {d.fix}")
                 if d.tried:
-                    st.dataframe(pd.DataFrame([{"change tried in the simulator": t.change, "verdict": t.verdict,
-                                                "what it did": t.note} for t in d.tried]), hide_index=True)
+                    tables.table(pd.DataFrame([{"change tried in the simulator": t.change, "verdict": t.verdict,
+                                                "what it did": t.note} for t in d.tried]))
 
 
 def evidence_frame(d: Diagnosis) -> pd.DataFrame:
