@@ -7,20 +7,21 @@ import streamlit as st
 from kvtune.report import fmt
 from kvtune.results import RunResult
 from kvtune.store import RunSummaryRow
-from kvtune.ui import charts, data, widgets
+from kvtune.ui import charts, data, tables, widgets
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end"), ("queue", "queue"))
 QUANTILES = (50, 95, 99)
 
 
 def runs_frame(rows: list[RunSummaryRow]) -> pd.DataFrame:
+    """One row a run, its leading figures: as many columns as the page's width holds (the Runs page shows
+    the rest of the run picked)."""
     return pd.DataFrame([{
-        "run": r.id, "created": r.created_at.strftime("%Y-%m-%d %H:%M:%S"), "label": r.label or "",
-        "target": r.target, "model": r.model, "device": r.device, "status": r.status,
-        "study": r.study or "", "trial": r.trial_number, "requests": r.requests, "completed": r.completed,
-        "throughput (req/s)": r.throughput_rps, "TTFT p95 (ms)": _ms(r.ttft_p95), "TPOT p95 (ms)": _ms(r.tpot_p95),
-        "KV usage peak (%)": _pct(r.kv_usage_peak), "prefix hit rate (%)": _pct(r.prefix_hit_rate),
-        "preemptions": r.preemptions} for r in rows])
+        "run": r.id, "created": r.created_at.strftime("%Y-%m-%d %H:%M"), "name": widgets.run_name(r),
+        "target": r.target, "model": r.model, "device": widgets.known(r.device), "status": r.status,
+        "requests": r.requests, "completed": r.completed,
+        "throughput (req/s)": r.throughput_rps, "TTFT p95 (ms)": _ms(r.ttft_p95),
+        "KV usage peak (%)": _pct(r.kv_usage_peak), "preemptions": r.preemptions} for r in rows])
 
 
 def latency_frame(summary: dict) -> pd.DataFrame:
@@ -39,19 +40,34 @@ def latency_frame(summary: dict) -> pd.DataFrame:
 
 def profile_frame(profile: dict) -> pd.DataFrame:
     rows = []
-    for key, name in (("input_len", "prompt tokens"), ("output_len", "output tokens")):
+    for key, name in (("input_len", "prompt"), ("output_len", "output")):
         q = profile.get(key) or {}
         if q:
-            rows.append({"per request": name, **{k: q.get(k) for k in ("p50", "p95", "p99", "max", "mean")}})
+            rows.append({"per request": name, **{f"{k} (tokens)": _float(q.get(k))
+                                                 for k in ("p50", "p95", "p99", "max", "mean")}})
     return pd.DataFrame(rows)
+
+
+def config_frame(config: dict) -> pd.DataFrame:
+    """The run's config as the report names values: 0.86, not 0.8600000000000001."""
+    return pd.DataFrame([{"setting": k, "value": _setting(k, v)} for k, v in config.items()],
+                        columns=["setting", "value"])
+
+
+def _setting(name: str, value) -> str:
+    if value is None:
+        return fmt.MISSING
+    if isinstance(value, float):
+        return fmt.param(name, value) if name == "gpu_memory_utilization" else f"{value:.4g}"
+    return fmt.param(name, value)
+
+
+def _float(value):
+    return None if value is None else float(value)
 
 
 def _ms(seconds):
     return None if seconds is None else seconds * 1000
-
-
-def _round(value, digits):
-    return None if value is None else round(value, digits)
 
 
 def _pct(fraction):
@@ -73,12 +89,8 @@ def render() -> None:
                             help=f"{len(rows) - len(own)} runs were made by searches")
     shown = rows if show_trials else own
     with st.expander(f"All {len(shown)} runs", expanded=False):
-        st.dataframe(runs_frame(shown), hide_index=True, key="runs_table",
-                     column_config={"throughput (req/s)": st.column_config.NumberColumn(format="%.2f"),
-                                    "TTFT p95 (ms)": st.column_config.NumberColumn(format="%.1f"),
-                                    "TPOT p95 (ms)": st.column_config.NumberColumn(format="%.1f"),
-                                    "KV usage peak (%)": st.column_config.NumberColumn(format="%.1f"),
-                                    "prefix hit rate (%)": st.column_config.NumberColumn(format="%.1f")})
+        tables.table(runs_frame(shown), key="runs_table",
+                     column_config={"name": st.column_config.TextColumn(width="medium")})
     by_id = {r.id: r for r in shown}
     run_id = st.selectbox("Run", list(by_id), format_func=lambda i: widgets.run_label(by_id[i]), key="run")
     if run_id is None:
@@ -99,8 +111,8 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
         st.info("This run is still in progress; reload for more.")
     cols = st.columns(6)
     cols[0].metric("Requests completed", f"{fmt.count(s.get('completed'))} / {fmt.count(s.get('requests'))}")
-    cols[1].metric("Throughput (req/s)", fmt.number(_round(s.get("throughput_rps"), 2)))
-    cols[2].metric("Output (tok/s)", fmt.count(s.get("output_tok_s")))
+    cols[1].metric("Throughput", fmt.rps(s.get("throughput_rps")))
+    cols[2].metric("Output", fmt.tok_s(s.get("output_tok_s")))
     cols[3].metric("KV usage peak", fmt.pct(s.get("kv_usage_peak")))
     cols[4].metric("Prefix hit rate", fmt.pct(s.get("prefix_hit_rate")))
     cols[5].metric("Preemptions", fmt.count(s.get("preemptions")))
@@ -116,7 +128,7 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
         charts.show(figure)
 
     st.subheader("Latency: what the clients saw and what the server said")
-    st.dataframe(latency_frame(s), hide_index=True, key="run_latency")
+    tables.table(latency_frame(s), key="run_latency")
     if "server_ttft_p95" not in s:
         st.caption(f"The {result.target} target has no server histograms to read: the server columns fill "
                    "in for live runs (engine, vLLM, SGLang or a URL), from /metrics.")
@@ -128,11 +140,11 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
     cols = st.columns(4)
     cols[0].metric("Requests", fmt.count(profile.get("requests")))
     cols[1].metric("Rate", fmt.rps(profile.get("rate_rps")))
-    cols[2].metric("Span", f"{profile['duration_s']:.1f} s" if profile.get("duration_s") is not None else fmt.MISSING)
+    cols[2].metric("Span", fmt.seconds(profile.get("duration_s")))
     cols[3].metric("Ideal prefix hit rate", fmt.pct(profile.get("ideal_prefix_hit_rate")))
     frame = profile_frame(profile)
     if not frame.empty:
-        st.dataframe(frame, hide_index=True, key="run_profile")
+        tables.table(frame, key="run_profile")
     figure = charts.lengths([r.prompt_tokens for r in result.requests], [r.output_tokens for r in result.requests])
     if figure is not None:
         charts.show(figure)
@@ -146,7 +158,7 @@ def show_run(url: str, row: RunSummaryRow, result: RunResult) -> None:
     widgets.diagnosis_cards(diagnoses, key=f"run{row.id}")
 
     with st.expander("Config"):
-        st.json(result.config)
+        tables.table(config_frame(result.config), key="run_config")
 
 
 if __name__ == "__main__":
