@@ -21,18 +21,21 @@ from kvtune.report.words import (
     value_label,
 )
 from kvtune.report.writer import LIVE_MODEL_TARGETS
-from kvtune.ui import charts, data, widgets
+from kvtune.ui import charts, data, tables, widgets
 
 # Plain symbols, not emoji: a browser without an emoji font (a headless one) shows emoji as boxes.
 MARKS = {"ok": ("✔", "#2ca02c"), "bad": ("✖", "#d62728"), "failed": ("⚠", "#7f7f7f")}
 BEST_SHOWN = 3  # configs with launch commands
+NOTES_SHOWN = 5  # failed trials' reasons in full under the table; the rest behind an expander
+STAGE_NAMES = {"sim": "the simulator", "live": "the live target"}
 IMPORTANCE_WIDTH = 760  # pixels: a few bars, stretched across the page, would stand a screen tall
 
 
 def studies_frame(rows: list[data.StudyRow]) -> pd.DataFrame:
     return pd.DataFrame([{"study": r.name, "objective": r.objective, "trials": r.trials,
                           "SLOs": ", ".join(r.slos), "model": r.preset, "device": r.device,
-                          "workload": r.workload, "started": r.started} for r in rows])
+                          "workload": r.workload,
+                          "started": r.started.strftime("%Y-%m-%d %H:%M") if r.started else None} for r in rows])
 
 
 def mark(m: Measurement) -> str:
@@ -47,24 +50,6 @@ def mark(m: Measurement) -> str:
 def result_colour(text: str) -> str:
     colour = next((c for symbol, c in MARKS.values() if str(text).startswith(symbol)), None)
     return f"color: {colour}" if colour else ""
-
-
-def number_format(name: str) -> str:
-    return "%.1f" if name.endswith("(ms)") else "%.2f" if name.startswith(("goodput", "throughput")) else "%g"
-
-
-def number_config(frame: pd.DataFrame) -> dict:
-    return {name: st.column_config.NumberColumn(format=number_format(name))
-            for name in frame.columns if pd.api.types.is_float_dtype(frame[name])}
-
-
-def styled(frame: pd.DataFrame, column: str):
-    """The table with its result column coloured like the charts' points.
-
-    A Styler's own number formats replace st.column_config's, so they are set here."""
-    formats = {name: "{:" + number_format(name)[1:] + "}" for name in frame.columns
-               if pd.api.types.is_float_dtype(frame[name])}
-    return frame.style.map(result_colour, subset=[column]).format(formats, na_rep="")
 
 
 def trials_frame(report: ReportData) -> pd.DataFrame:
@@ -112,25 +97,79 @@ def pareto_front(points: list[tuple[Measurement, float, float]]) -> list[int]:
     return front
 
 
+def stages(report: ReportData) -> tuple[str, ...]:
+    return ("sim", "live") if report.live else ("sim",)
+
+
+def stage_measurement(report: ReportData, c: Candidate, stage: str) -> Measurement | None:
+    """What `stage` measured of the config: the ranking's measurement, else its failed try (the ranking
+    pairs a config only with its completed stage-1 trials: a default that failed there has none)."""
+    m = getattr(c, stage)
+    if m is not None:
+        return m
+    tried = [t for t in (report.trials if stage == "sim" else report.live) if t.params == c.params and not t.surplus]
+    return tried[-1] if tried else None
+
+
+def configs_frame(report: ReportData) -> pd.DataFrame:
+    """The compared configs' knobs: one row each, the figures beside them in stages_frame."""
+    knobs = report.info.knobs
+    return pd.DataFrame([{"config": c.label} | {k: _cell(c.params.get(k)) for k in knobs}
+                         for c in report.candidates], columns=["config", *knobs])
+
+
 def stages_frame(report: ReportData) -> pd.DataFrame:
-    knobs, rows = report.info.knobs, []
+    """Each compared config's figures, one row per stage: the report's (Candidate.figure), one number
+    for one measurement."""
+    rows = []
     for c in report.candidates:
-        row = {"config": c.label} | {k: _cell(c.params.get(k)) for k in knobs}
-        for stage in ("sim", "live"):
-            m = getattr(c, stage)
-            ok = m is not None and m.ok
-            # the report's figures (Candidate.figure): one number for one measurement
-            row[f"goodput {stage}"] = c.figure("goodput_rps", stage)
-            row[f"throughput {stage}"] = c.figure("throughput_rps", stage)
-            row[f"TTFT p95 {stage} (ms)"] = _ms(c.figure("ttft_p95", stage))
-            row[f"TPOT p95 {stage} (ms)"] = _ms(c.figure("tpot_p95", stage))
-            row[f"meets SLOs {stage}"] = ("yes" if m.feasible else "no") if ok else ("failed" if m else "not run")
-        if report.live:
-            iv = c.spread.get("goodput_rps")
-            row["goodput live, 95 % interval"] = f"[{iv.lo:.2f}, {iv.hi:.2f}]" if iv is not None else None
-            row["live runs (ok/all)"] = f"{sum(m.ok for m in c.runs)}/{len(c.runs)}" if c.runs else None
-        rows.append(row)
+        for stage in stages(report):
+            m = stage_measurement(report, c, stage)
+            row = {"config": c.label, "stage": stage,
+                   "goodput (req/s)": c.figure("goodput_rps", stage),
+                   "throughput (req/s)": c.figure("throughput_rps", stage),
+                   "TTFT p95 (ms)": _ms(c.figure("ttft_p95", stage)),
+                   "TPOT p95 (ms)": _ms(c.figure("tpot_p95", stage)),
+                   "meets SLOs": ("yes" if m.feasible else "no") if m is not None and m.ok else status(m)}
+            if report.live:
+                iv = c.spread.get("goodput_rps") if stage == "live" else None
+                row["goodput, 95 % interval (req/s)"] = f"{iv.lo:.2f} to {iv.hi:.2f}" if iv is not None else None
+                row["runs (ok/all)"] = (f"{sum(r.ok for r in c.runs)}/{len(c.runs)}"
+                                        if stage == "live" and c.runs else None)
+            rows.append(row)
     return pd.DataFrame(rows)
+
+
+def stage_failures(report: ReportData) -> list[str]:
+    """Why each compared config that failed on a stage failed, in full."""
+    out = []
+    for c in report.candidates:
+        for stage in stages(report):
+            m = stage_measurement(report, c, stage)
+            if m is not None and not m.ok and not m.surplus:
+                which = f"trial {m.number}" if stage == "sim" else f"run {m.run_id}" if m.run_id else "its run"
+                out.append(f"{MARKS['failed'][0]} **{c.label}** failed on {STAGE_NAMES[stage]} ({which}): "
+                           f"{markdown_text(m.reason or 'no reason recorded')}")
+    return out
+
+
+def trial_failures(report: ReportData) -> list[str]:
+    """The failed trials' reasons, in full (the table's note column holds what its width shows), the trials
+    that failed alike together."""
+    by_reason: dict[str, list[Measurement]] = {}
+    for m in sorted(report.trials, key=lambda t: t.number) + sorted(report.live, key=lambda t: t.number):
+        if not m.ok and not m.surplus:
+            by_reason.setdefault(m.reason or "no reason recorded", []).append(m)
+    out = []
+    for reason, failed in by_reason.items():
+        names = ", ".join(f"{m.number}" if m.stage == "sim" else f"{m.number} (live)" for m in failed)
+        out.append(f"{MARKS['failed'][0]} **trial{'s' * (len(failed) > 1)} {names}** failed: {markdown_text(reason)}")
+    return out
+
+
+def markdown_text(text: str) -> str:
+    """Plain text for st.markdown: `$` would start LaTeX, a newline a paragraph."""
+    return " ".join(text.split()).replace("$", "\\$")
 
 
 def best_candidates(report: ReportData) -> list[Candidate]:
@@ -159,7 +198,7 @@ def render() -> None:
         return
     rows = data.studies(db.url)
     with st.expander(f"{len(rows)} stud{'ies' if len(rows) != 1 else 'y'} in {db.display_url}"):
-        st.dataframe(studies_frame(rows), hide_index=True, key="studies_table")
+        tables.table(studies_frame(rows), key="studies_table")
     by_name = {r.name: r for r in rows}
     name = st.selectbox("Study", list(by_name), key="study")
     if name is None:
@@ -181,9 +220,10 @@ def show_study(view: data.StudyView) -> None:
     verdict(report)
 
     st.subheader("Trials")
-    st.caption("Click a column header to sort. ✔ meets the SLOs, ✖ misses one, ⚠ failed (see the note).")
-    st.dataframe(styled(trials_frame(report), "result"), hide_index=True, key="trials_table",
-                 column_config={"value": st.column_config.NumberColumn(value_label(info))})
+    st.caption("Click a column header to sort. ✔ meets the SLOs, ✖ misses one, ⚠ failed (why: below the table).")
+    tables.table(trials_frame(report), key="trials_table", colour=("result", result_colour),
+                 column_config={"value": st.column_config.NumberColumn(value_label(info), format="%.2f")})
+    notes(trial_failures(report), "trial_failures")
 
     left, right = st.columns(2)
     with left:
@@ -218,8 +258,21 @@ def show_study(view: data.StudyView) -> None:
     if not report.live:
         st.info("Stage 2 did not run for this study (`--target none`): only the simulator's numbers exist. "
                 "The best stage-1 configs and the target's default:")
-    stages = stages_frame(report)
-    st.dataframe(stages, hide_index=True, key="stages_table", column_config=number_config(stages))
+    # Two tables: the knobs and both stages' figures side by side would run past the page's right edge.
+    tables.table(configs_frame(report), key="stage_configs_table")
+    st.caption("Their figures on each stage" + (": on stage 2 the mean of its runs" if report.live else "") + ".")
+    tables.table(stages_frame(report), key="stages_table")
+    notes(stage_failures(report), "stage_failures")
+
+
+def notes(lines: list[str], key: str) -> None:
+    """Lines of text under a table, the first few shown, the rest behind an expander."""
+    for line in lines[:NOTES_SHOWN]:
+        st.markdown(line)
+    if len(lines) > NOTES_SHOWN:
+        with st.expander(f"{len(lines) - NOTES_SHOWN} more", key=key):
+            for line in lines[NOTES_SHOWN:]:
+                st.markdown(line)
 
 
 def verdict(report: ReportData) -> None:
@@ -250,8 +303,7 @@ def best_configs(view: data.StudyView) -> None:
     for tab, candidate in zip(st.tabs([c.label for c in best]), best):
         with tab:
             m = candidate.measured
-            st.dataframe(pd.DataFrame([{k: fmt.param(k, v) for k, v in candidate.params.items()}]),
-                         hide_index=True)
+            tables.table(pd.DataFrame([{k: fmt.param(k, v) for k, v in candidate.params.items()}]))
             st.markdown(f"Measured on {m.measured_on or m.stage}: goodput {fmt.rps(m.goodput_rps)}, "
                         f"throughput {fmt.rps(m.throughput_rps)}, TTFT p95 {fmt.ms(m.summary.get('ttft_p95'))}, "
                         f"TPOT p95 {fmt.ms(m.summary.get('tpot_p95'))}; "
