@@ -2,6 +2,7 @@
 and on an empty one; the Live page against a real bundled engine."""
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -9,10 +10,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import optuna
 import pandas as pd
 import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
-from serverproc import ServerProcess
+from kvtune_cli import kvtune_main
+from serverproc import ServerProcess, free_port
 from streamlit.testing.v1 import AppTest
 
 import kvtune.ui
@@ -40,8 +43,17 @@ from kvtune.workload import IntDist, SynthSpec, synthesize, write_workload
 APP = str(Path(kvtune.ui.__file__).with_name("app.py"))
 PRESET, DEVICE = "llama-3-8b", "h100-80gb"
 SEARCH_TRIALS = 12  # PED-ANOVA's parameter importance needs at least 10
+# A study whose default fails: llama-3.1-8b's KV cache for max_model_len 46,000 needs 5.62 GiB, more than an L4
+# leaves it at the default gpu_memory_utilization 0.92 (5.28 GiB); fp8 or 0.95 fit.
+TIGHT_STUDY, TIGHT_TRIALS = "tight", 8
+TIGHT_FLAGS = ("--preset", "llama-3.1-8b", "--device", "l4-24gb", "--max-model-len", "46000",
+               "--space", "gpu_memory_utilization=0.85:0.95:0.01", "--space", "kv_cache_dtype=auto,fp8",
+               "--space", "max_num_seqs=16:256:log", "--space", "block_size=16,32")
 PAGES = {"runs.py": "Runs", "search.py": "Search", "diagnoses.py": "Diagnoses", "planner.py": "Planner",
          "live.py": "Live"}
+# What no page may show: a raw missing value, or a float nobody rounded (0.8600000000000001, 665.2367).
+RAW_MISSING = re.compile(r"\b(None|nan|NaN)\b")
+UNROUNDED = re.compile(r"\d\.\d{5,}")
 
 
 # ---------------------------------------------------------------- the seeded database
@@ -61,8 +73,10 @@ class Seeded:
 
 
 def seed_database(folder: Path, server_url: str | None = None) -> Seeded:
-    """Sim runs (one healthy, one on a starved KV pool), a live run on a real server when given, a real
-    `kvtune search` (stage 1 only) and a study with a stage 2, the sim target standing in for the live one."""
+    """Sim runs (one healthy, whose diagnosis found nothing, one on a starved KV pool), a `kvtune run` of a URL
+    nobody serves (failed), a live run on a real server when given (its device not given, as `kvtune run
+    --target URL` records it), a real `kvtune search` (stage 1 only), one whose default and some trials fail,
+    and a study with a stage 2, the sim target standing in for the live one."""
     db = f"sqlite:///{folder}/ui.db"
     trace = folder / "trace.jsonl"
     write_workload(workload(), str(trace))
@@ -74,9 +88,13 @@ def seed_database(folder: Path, server_url: str | None = None) -> Seeded:
             result = sim.run(config, workload())
             runs[label] = store.save_run(result, label=label)
             store.save_diagnoses(runs[label], diagnose(result))
+    nobody = f"http://127.0.0.1:{free_port()}"
+    assert kvtune_main("run", "--workload", trace, "--target", nobody, "--db", db) == 1
+    with Store(db) as store:
+        runs["url nobody serves"] = max(r.id for r in store.list_runs())
         if server_url is not None:
-            live = UrlTarget(server_url, LiveOptions(users=64, scrape_interval_s=0.5, drain_timeout_s=30,
-                                                     device=DEVICE)).run(None, workload(30, 20.0, seed=2))
+            live = UrlTarget(server_url, LiveOptions(users=64, scrape_interval_s=0.5, drain_timeout_s=30)).run(
+                None, workload(30, 20.0, seed=2))
             runs["live engine"] = store.save_run(live, label="live engine")
             store.save_diagnoses(runs["live engine"], diagnose(live))
     search = subprocess.run(
@@ -84,6 +102,8 @@ def seed_database(folder: Path, server_url: str | None = None) -> Seeded:
          "--target", "none", "--db", db, "--study", "s", "--no-report", "--slo", "ttft_p95=500ms"],
         check=False, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
     assert search.returncode == 0, search.stderr + search.stdout
+    assert kvtune_main("search", "--workload", trace, "--trials", TIGHT_TRIALS, "--target", "none", "--db", db,
+                       "--study", TIGHT_STUDY, "--no-report", "--slo", "ttft_p95=500ms", *TIGHT_FLAGS) == 0
     staged_study(db, str(trace))
     return Seeded(db, runs, server_url)
 
@@ -134,6 +154,26 @@ def check_page(at: AppTest, title: str) -> None:
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert [t.value for t in at.title] == [title]
+    check_readable(at)
+
+
+def check_readable(at: AppTest) -> None:
+    """What the page says reads like the report: no raw None or nan, no unrounded float, in its text, its
+    metrics and its tables; a table's missing value drawn as the report's dash."""
+    words = text(at) + "\n" + "\n".join(f"{m.label}: {m.value}" for m in at.metric)
+    assert not RAW_MISSING.search(words), RAW_MISSING.search(words)
+    assert not UNROUNDED.search(words), UNROUNDED.search(words)
+    for table in at.dataframe:
+        assert table.proto.placeholder == fmt.MISSING
+        frame = table.value
+        for column in frame.columns:
+            cells = [repr(v) if isinstance(v, float) else str(v) for v in frame[column].dropna()]
+            assert not [c for c in cells if UNROUNDED.search(c)], (column, cells)
+            assert not [c for c in cells if RAW_MISSING.search(c)], (column, cells)
+
+
+def metric(at: AppTest, label: str) -> str:
+    return next(m.value for m in at.metric if m.label == label)
 
 
 def frames(at: AppTest) -> list[pd.DataFrame]:
@@ -162,21 +202,29 @@ def charts_shown(at: AppTest) -> int:
 def test_runs_page_shows_each_run(seeded, monkeypatch):
     at = open_app(seeded.db, monkeypatch)
     check_page(at, "Runs")
-    table = frame_with(at, "run", "label", "target", "TTFT p95 (ms)")
-    assert set(table["label"]) == {"sim default", "sim tight pool", "live engine"}  # search trials hidden
+    table = frame_with(at, "run", "name", "target", "TTFT p95 (ms)")
+    assert list(table["run"]) == sorted(seeded.runs.values(), reverse=True)  # search trials hidden
     box = at.selectbox(key="run")
-    assert box.options[0].startswith(f"#{seeded.runs['live engine']} live engine (url,")
+    labels = dict(zip(table["run"], box.options))
+    # A URL's runs, which record no device: named for what ran them and its URL, never "on unknown".
+    assert labels[seeded.runs["live engine"]].startswith(f"#{seeded.runs['live engine']} live engine (running server,")
+    assert "http://127.0.0.1:" in labels[seeded.runs["url nobody serves"]]
+    assert not [o for o in box.options if "unknown" in o]
+    assert table.set_index("run")["device"].isna()[seeded.runs["live engine"]]  # drawn as the report's dash
 
     latency = frame_with(at, "latency", "clients p95", "server p95").set_index("latency")
     for name in ("TTFT", "TPOT", "ITL", "end-to-end"):  # the live run: clients and server side by side
         assert latency.loc[name, "clients p95"].endswith(" ms")
         # a value, or a bucket's bound ("< 10 ms"), never missing
         assert latency.loc[name, "server p95"] != fmt.MISSING
-    profile = frame_with(at, "per request", "p50", "p99").set_index("per request")
-    assert list(profile.index) == ["prompt tokens", "output tokens"]
+    profile = frame_with(at, "per request", "p50 (tokens)", "p99 (tokens)").set_index("per request")
+    assert list(profile.index) == ["prompt", "output"]
     assert charts_shown(at) == 2  # the KV cache over time, the workload's lengths
-    assert [m.label for m in at.metric][:6] == ["Requests completed", "Throughput (req/s)", "Output (tok/s)",
-                                                "KV usage peak", "Prefix hit rate", "Preemptions"]
+    assert [m.label for m in at.metric][:6] == ["Requests completed", "Throughput", "Output", "KV usage peak",
+                                                "Prefix hit rate", "Preemptions"]
+    for label, unit in (("Throughput", "req/s"), ("Output", "tok/s"), ("KV usage peak", "%"), ("Rate", "req/s"),
+                        ("Span", "s")):  # each figure with its unit
+        assert re.fullmatch(rf"[\d,]+(\.\d+)? {re.escape(unit)}", metric(at, label)), (label, metric(at, label))
 
     box.select(seeded.runs["sim tight pool"]).run()
     check_page(at, "Runs")
@@ -192,7 +240,16 @@ def test_runs_page_shows_each_run(seeded, monkeypatch):
 
     at.toggle(key="runs_trials").set_value(True).run()
     check_page(at, "Runs")
-    assert len(at.selectbox(key="run").options) == 3 + SEARCH_TRIALS + 6 + 3 * 3  # + both studies' runs (3 runs per live config)
+    with Store(seeded.db) as store:
+        assert len(at.selectbox(key="run").options) == len(store.list_runs())  # + the studies' runs
+
+
+def test_a_failed_url_run_reads_as_failed(seeded, monkeypatch):
+    at = open_app(seeded.db, monkeypatch)
+    at.selectbox(key="run").select(seeded.runs["url nobody serves"]).run()
+    check_page(at, "Runs")
+    assert "Connection refused" in at.warning[0].value  # the run's error, whole
+    assert {metric(at, label) for label in ("Throughput", "Output", "KV usage peak")} == {fmt.MISSING}
 
 
 def test_runs_in_progress_and_failed(monkeypatch, tmp_path):
@@ -223,9 +280,9 @@ def test_runs_in_progress_and_failed(monkeypatch, tmp_path):
 def test_search_page_shows_a_stage1_study(seeded, monkeypatch):
     at = open_app(seeded.db, monkeypatch, "search.py")
     check_page(at, "Search")
-    assert at.selectbox(key="study").options == ["s", "staged"]
+    assert at.selectbox(key="study").options == ["s", "staged", TIGHT_STUDY]
     studies = frame_with(at, "study", "objective", "trials")
-    assert list(studies["trials"]) == [SEARCH_TRIALS, 6]
+    assert list(studies["trials"]) == [SEARCH_TRIALS, 6, TIGHT_TRIALS]
 
     trials = frame_with(at, "stage", "trial", "result", "block_size", "TTFT p95 (ms)")
     assert len(trials) == SEARCH_TRIALS and list(trials["trial"]) == list(range(SEARCH_TRIALS))
@@ -244,8 +301,10 @@ def test_search_page_shows_a_stage1_study(seeded, monkeypatch):
     commands = "\n".join(c.value for c in at.code)
     assert "vllm serve" in commands and "kvengine serve" in commands and "--block-size" in commands
     assert "Stage 2 did not run" in text(at)
-    stages = frame_with(at, "config", "goodput sim", "goodput live")
-    assert stages["config"].iloc[-1] == "the default" and stages["goodput live"].isna().all()
+    configs = frame_with(at, "config", "block_size", "kv_cache_dtype")
+    stages = frame_with(at, "config", "stage", "goodput (req/s)", "TTFT p95 (ms)", "meets SLOs")
+    assert list(configs["config"]) == list(stages["config"]) and configs["config"].iloc[-1] == "the default"
+    assert set(stages["stage"]) == {"sim"} and set(stages["meets SLOs"]) <= {"yes", "no"}
     assert at.success and at.success[0].value.startswith("Verdict (on the simulator only")
 
 
@@ -255,12 +314,36 @@ def test_search_page_compares_stage1_with_stage2(seeded, monkeypatch):
     check_page(at, "Search")
     trials = frame_with(at, "stage", "trial", "result")
     assert list(trials["stage"]).count("live") == 9 and list(trials["stage"]).count("sim") == 6  # 3 configs x 3 runs
-    stages = frame_with(at, "config", "goodput sim", "goodput live", "meets SLOs live")
-    assert len(stages) == 3 and stages["goodput live"].notna().all()
-    assert set(stages["meets SLOs live"]) <= {"yes", "no"}
+    stages = frame_with(at, "config", "stage", "goodput (req/s)", "meets SLOs", "runs (ok/all)")
+    live = stages[stages["stage"] == "live"]
+    assert len(stages) == 2 * 3 and len(live) == 3 and live["goodput (req/s)"].notna().all()
+    assert set(live["meets SLOs"]) <= {"yes", "no"} and set(live["runs (ok/all)"]) == {"3/3"}
+    assert live["goodput, 95 % interval (req/s)"].notna().all()
     assert "Stage 2 did not run" not in text(at)
     assert "Parameter importance needs at least 10 completed trials" in text(at)  # 6 trials: a note, no chart
     assert charts_shown(at) == 2
+
+
+def test_search_page_says_why_trials_and_the_default_failed(seeded, monkeypatch):
+    """A failed trial's figures are missing (the report's dash), not None, and its whole reason is on the page;
+    the default that failed on the simulator reads failed, with why, not 'not run'."""
+    at = open_app(seeded.db, monkeypatch, "search.py")
+    at.selectbox(key="study").select(TIGHT_STUDY).run()
+    check_page(at, "Search")
+    trials = frame_with(at, "trial", "result", "goodput (req/s)", "TTFT p95 (ms)")
+    failed = trials[trials["result"].str.startswith("⚠")]
+    assert len(failed) >= 1 and failed[["goodput (req/s)", "TTFT p95 (ms)"]].isna().all().all()
+    study = optuna.load_study(study_name=TIGHT_STUDY, storage=seeded.db)
+    tried = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert set(failed["trial"]) == {t.number for t in tried}
+    shown = " ".join(m.value for m in at.markdown).replace("`", "")
+    for t in tried:  # whole, however long: not what a table cell's width leaves of it
+        assert " ".join(t.user_attrs["fail_reason"].replace("`", "").split()) in shown
+
+    assert study.user_attrs["default_params"] in [t.params for t in tried]  # the default ran, and failed
+    stages = frame_with(at, "config", "stage", "goodput (req/s)", "meets SLOs").set_index("config")
+    assert stages.loc["the default", "meets SLOs"] == "failed"
+    assert pd.isna(stages.loc["the default", "goodput (req/s)"])
 
 
 def test_pareto_front_keeps_the_undominated():
@@ -290,9 +373,13 @@ def test_diagnoses_page_cards_by_severity(seeded, monkeypatch):
     fixes = [m.value for m in at.markdown if m.value.startswith("**Fix:**")]
     assert len(fixes) == 3 and all("→" in f for f in fixes)
 
+    # `kvtune diagnose` ran and found nothing (the store keeps no row for that): no faults, and no hint to
+    # store what is already stored.
     box.select(seeded.runs["sim default"]).run()
     check_page(at, "Diagnoses")
     assert at.success[0].value.startswith("No faults found")
+    assert "kvtune diagnose --run" not in text(at)
+    assert pd.isna(overview.loc[seeded.runs["sim default"], "stored faults"])
 
 
 def test_a_study_run_stored_without_diagnoses_is_judged_by_its_studys_slos(seeded, tmp_path):
