@@ -77,7 +77,8 @@ def virtual_runs(plan, coeffs, client_s, busy_s, config, prefill_times=False, sp
         engine = None
         trials = []
         for _ in range(1 if probe.background else probe.repeats):
-            warm, prompts = probe_prompts(probe, rng)
+            drawn = probe_prompts(probe, rng)
+            warm, prompts = drawn.warmup, drawn.prompts
             engine = LLMEngine(config, model, device, clock=VirtualClock(), cost_coefficients=coeffs)
             if probe.background:
                 trials.append(virtual_loaded_trial(engine, probe, warm, rng, busy_s))

@@ -46,6 +46,7 @@ import numpy as np
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000  # the workload module's prompt token range
 TTFT, ITL = "ttft", "itl"
 PREFILL_TIME = "prefill_time"  # the server's own: first scheduled to first token
+DECODE_LEN = 32  # a decode probe's prompt
 DECODE_REPEATS = 3  # trials of each decode probe
 LOADED_ARRIVALS = 12  # requests arriving one by one during a loaded probe
 LOADED_FIRST, LOADED_SPACING = 6, 5  # background tokens before the first arrival, and between arrivals
@@ -148,75 +149,150 @@ def design_probes(max_model_len: int, max_batch: int = 64, max_prompt: int | Non
     quick        fewer lengths, batch sizes and repeats (a smoke run).
     kinds        only the probes of these PROBE_KINDS (the drift checks are decodes).
     """
-    longest = max(64, min(max_prompt or max_model_len, max_model_len - 64))
-    repeats = 3 if quick else 5
-    probes: list[Probe] = [Probe("overhead", "overhead L=8", 8, 24, (TTFT, ITL), repeats=repeats)]
+    bounds = _PlanBounds(max_model_len, max(64, min(max_prompt or max_model_len, max_model_len - 64)), max_batch,
+                         pool_tokens if pool_tokens else max_model_len * max_batch, block_size, batch_tokens, quick)
+    notes: list[str] = []
+    decodes = _decode_probes(bounds, notes)
+    probes = [*_prefill_probes(bounds), *decodes, *_context_probes(bounds), *_prefix_probes(bounds),
+              *_loaded_probes(bounds), *_loaded_prefix_probes(bounds)]
+    if kinds is not None:
+        probes = [p for p in probes if p.kind in kinds]
+    check = min(4, max_batch, decodes[-1].batch)
+    drift_check = Probe("decode", f"decode B={check} (drift check)", DECODE_LEN, bounds.decode_tokens, (ITL,),
+                        batch=check, repeats=DECODE_REPEATS)
+    return ProbePlan(_held_in_pool(_with_drift_checks(probes, drift_check), bounds), notes)
+
+
+@dataclass(frozen=True)
+class _PlanBounds:
+    """What a plan's probes stay within: the server's context limit, the longest prompt, the
+    largest decode batch, the KV pool (in tokens, of `block_size` blocks) and the step's token
+    budget; `quick`: fewer lengths, batch sizes and repeats."""
+
+    max_model_len: int
+    longest: int
+    max_batch: int
+    pool: int
+    block_size: int
+    batch_tokens: int
+    quick: bool
+
+    @property
+    def room(self) -> float:
+        """The KV tokens one probe may hold at once."""
+        return POOL_SHARE * self.pool
+
+    @property
+    def repeats(self) -> int:
+        """Trials of each isolated TTFT probe."""
+        return 3 if self.quick else 5
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens each decode and long-context request decodes."""
+        return 24 if self.quick else 40
+
+
+def _prefill_probes(bounds: _PlanBounds) -> list[Probe]:
+    """The client overhead's probe, and prefills of lengths from 16 to the longest prompt."""
+    longest, quick = bounds.longest, bounds.quick
+    probes = [Probe("overhead", "overhead L=8", 8, 24, (TTFT, ITL), repeats=bounds.repeats)]
     # The short prefills pin the overheads; compute and attention show only in the long
     # ones, so the top octaves get extra lengths (two points there would fit any noise).
     top = max(16, longest // 8)
     lengths = sorted(set(_geometric(16, top, 3 if quick else 5)) | set(_geometric(top, longest, 4 if quick else 5)))
     for length in lengths:
-        probes.append(Probe("prefill", f"prefill L={length}", length, 1, (TTFT,), repeats=repeats))
-    decode_len = 32
-    decode_tokens = 24 if quick else 40
-    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch]
-    if quick:
+        probes.append(Probe("prefill", f"prefill L={length}", length, 1, (TTFT,), repeats=bounds.repeats))
+    return probes
+
+
+def _decode_probes(bounds: _PlanBounds, notes: list[str]) -> list[Probe]:
+    """Decodes of short prompts in batches of 1, 2, 4, ... up to the largest (every other one,
+    quick), those the pool holds (_held_batches, which says in `notes` where it holds fewer)."""
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= bounds.max_batch]
+    if bounds.quick:
         batches = batches[::2] + ([batches[-1]] if len(batches) % 2 == 0 else [])
     # Three trials each (their median): a decode probe lasts a fraction of a second, and one
     # hiccup of a shared machine in it moved a whole batch size's ITL by 20%.
-    pool = pool_tokens if pool_tokens else max_model_len * max_batch
-    room = POOL_SHARE * pool
-    notes: list[str] = []
-    batches = _held_batches(batches, Probe("decode", "", decode_len, decode_tokens, (ITL,)), pool, block_size,
-                            notes)
-    for b in batches:
-        probes.append(Probe("decode", f"decode B={b}", decode_len, decode_tokens, (ITL,), batch=b,
-                            repeats=DECODE_REPEATS))
-    check = min(4, max_batch, batches[-1])
-    drift_check = Probe("decode", f"decode B={check} (drift check)", decode_len, decode_tokens, (ITL,),
-                        batch=check, repeats=DECODE_REPEATS)
-    contexts = [longest // 4, longest // 2, longest - decode_tokens] if not quick else [longest // 2, longest - decode_tokens]
+    one = Probe("decode", "", DECODE_LEN, bounds.decode_tokens, (ITL,))
+    return [Probe("decode", f"decode B={b}", DECODE_LEN, bounds.decode_tokens, (ITL,), batch=b,
+                  repeats=DECODE_REPEATS)
+            for b in _held_batches(batches, one, bounds.pool, bounds.block_size, notes)]
+
+
+def _context_probes(bounds: _PlanBounds) -> list[Probe]:
+    """Batches of long prompts decoding (those the pool holds), each long enough to outlast
+    its chunked prefills."""
+    longest, decode_tokens = bounds.longest, bounds.decode_tokens
+    contexts = ([longest // 4, longest // 2, longest - decode_tokens] if not bounds.quick
+                else [longest // 2, longest - decode_tokens])
+    probes = []
     for length in contexts:
         for b in (1, 4, 16):
             context = Probe("context", "", length, decode_tokens, (ITL,), batch=b)
-            if b <= max_batch and context.kv_tokens(block_size) <= room:
-                prefill_steps = -(-b * length // batch_tokens)
+            if b <= bounds.max_batch and context.kv_tokens(bounds.block_size) <= bounds.room:
+                prefill_steps = -(-b * length // bounds.batch_tokens)
                 probes.append(Probe("context", f"context B={b} L={length}", length,
                                     decode_tokens + prefill_steps, (ITL,), batch=b))
-    for prefix in ([longest // 2] if quick else [longest // 4, longest // 2]):
+    return probes
+
+
+def _prefix_probes(bounds: _PlanBounds) -> list[Probe]:
+    """Prefills of a short or a long suffix after a prefix a warm-up left in the cache."""
+    longest, probes = bounds.longest, []
+    for prefix in ([longest // 2] if bounds.quick else [longest // 4, longest // 2]):
         for suffix in (16, 256):
-            if prefix + suffix < max_model_len - 8:
+            if prefix + suffix < bounds.max_model_len - 8:
                 probes.append(Probe("prefix", f"prefix P={prefix} S={suffix}", prefix + suffix, 1, (TTFT,),
-                                    prefix_len=prefix, warm_suffix=suffix, repeats=repeats))
-    bg_len = max(32, min(1024, longest // 4))
+                                    prefix_len=prefix, warm_suffix=suffix, repeats=bounds.repeats))
+    return probes
+
+
+def _background_len(bounds: _PlanBounds) -> int:
+    """The longest prompt of a loaded probe's background."""
+    return max(32, min(1024, bounds.longest // 4))
+
+
+def _loaded_probes(bounds: _PlanBounds) -> list[Probe]:
+    """Short and longer arrivals amid batches of decodes."""
     # Real traffic is mostly this regime, so it gets as many probes as the isolated decodes.
-    loaded = [8] if quick else [2, 4, 8, 16, 32]
-    for b in sorted({min(b, max_batch - 1) for b in loaded}):
+    loaded = [8] if bounds.quick else [2, 4, 8, 16, 32]
+    probes = []
+    for b in sorted({min(b, bounds.max_batch - 1) for b in loaded}):
         if b < 1:
             continue
         for length in (64, 512):
-            length = min(length, longest)
+            length = min(length, bounds.longest)
             probes.append(Probe("loaded", f"loaded B={b} L={length}", length, 1, (TTFT, ITL),
-                                repeats=LOADED_ARRIVALS, background=b, background_len=bg_len))
-    # Arrivals that hit a warm prefix amid decodes: the mixed steps a shared system prompt
-    # gives, whose chunks after context the isolated prefix probes price only alone.
-    prefix, suffix = min(1024, longest // 4), min(128, longest // 8)
-    for b in sorted({min(b, max_batch - 1) for b in ([8] if quick else [4, 16])}):
-        if b >= 1 and prefix + suffix < max_model_len - 8:
+                                repeats=LOADED_ARRIVALS, background=b, background_len=_background_len(bounds)))
+    return probes
+
+
+def _loaded_prefix_probes(bounds: _PlanBounds) -> list[Probe]:
+    """Arrivals that hit a warm prefix amid decodes: the mixed steps a shared system prompt
+    gives, whose chunks after context the isolated prefix probes price only alone."""
+    prefix, suffix = min(1024, bounds.longest // 4), min(128, bounds.longest // 8)
+    probes = []
+    for b in sorted({min(b, bounds.max_batch - 1) for b in ([8] if bounds.quick else [4, 16])}):
+        if b >= 1 and prefix + suffix < bounds.max_model_len - 8:
             probes.append(Probe("loaded", f"loaded prefix B={b} P={prefix} S={suffix}", prefix + suffix, 1,
                                 (TTFT, ITL), prefix_len=prefix, warm_suffix=16, repeats=LOADED_ARRIVALS,
-                                background=b, background_len=bg_len))
-    if kinds is not None:
-        probes = [p for p in probes if p.kind in kinds]
+                                background=b, background_len=_background_len(bounds)))
+    return probes
+
+
+def _held_in_pool(probes: list[Probe], bounds: _PlanBounds) -> list[Probe]:
+    """`probes`, each loaded probe's background cut to what the pool holds (_fit_pool); one it
+    cannot hold, or cut to another's copy, dropped."""
     plan, loaded = [], []
-    for probe in _with_drift_checks(probes, drift_check):
-        probe = _fit_pool(probe, room, block_size)
+    for probe in probes:
+        probe = _fit_pool(probe, bounds.room, bounds.block_size)
         if probe is None or probe in loaded:  # a halved background may repeat another probe
             continue
         if probe.background:
             loaded.append(probe)
         plan.append(probe)
-    return ProbePlan(plan, notes)
+    return plan
 
 
 def _held_batches(batches: list[int], one: Probe, pool_tokens: int, block_size: int, notes: list[str]) -> list[int]:
@@ -261,13 +337,21 @@ def _with_drift_checks(probes: list[Probe], check: Probe, n: int = DRIFT_CHECKS)
     return opening + middle + closing
 
 
-def probe_prompts(probe: Probe, rng: np.random.Generator) -> tuple[list[int] | None, list[list[int]]]:
-    """(warm-up prompt or None, the measured prompts) of one repeat: fresh random ids,
-    the warm-up and the measured request sharing the first prefix_len tokens."""
+@dataclass
+class ProbePrompts:
+    """One repeat's prompts: the warm-up's (a prefix probe's; else None), and the measured ones."""
+
+    warmup: list[int] | None
+    prompts: list[list[int]]
+
+
+def probe_prompts(probe: Probe, rng: np.random.Generator) -> ProbePrompts:
+    """The prompts of one repeat: fresh random ids, the warm-up and the measured request
+    sharing the first prefix_len tokens."""
     def fresh(n: int) -> list[int]:
         return rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
     if probe.prefix_len:
         shared = fresh(probe.prefix_len)
         warm = shared + fresh(probe.warm_suffix)
-        return warm, [shared + fresh(probe.prompt_len - probe.prefix_len) for _ in range(probe.batch)]
-    return None, [fresh(probe.prompt_len) for _ in range(probe.batch)]
+        return ProbePrompts(warm, [shared + fresh(probe.prompt_len - probe.prefix_len) for _ in range(probe.batch)])
+    return ProbePrompts(None, [fresh(probe.prompt_len) for _ in range(probe.batch)])

@@ -8,6 +8,7 @@ server's cache config), the client overhead, and the residuals per probe class.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -113,20 +114,23 @@ class CalibrationProfile:
                 f"busy_arrival_overhead {c.busy_arrival_overhead_s * 1e6:.3g} us")
 
 
-def _open(db: str | Store | None) -> tuple[Store, bool]:
+@contextmanager
+def _opened(db: str | Store | None):
+    """The store `db` is, or opens (closed after)."""
     if isinstance(db, Store):
-        return db, False
-    return Store(resolve_db_url(db)), True
+        yield db
+        return
+    store = Store(resolve_db_url(db))
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 def save_profile(db: str | Store | None, profile: CalibrationProfile) -> None:
     """Store (or replace) the profile under its name."""
-    store, owned = _open(db)
-    try:
+    with _opened(db) as store:
         store.save_profile(profile.name, profile.to_dict())
-    finally:
-        if owned:
-            store.close()
 
 
 def get_profile(db: str | Store | None, name: str) -> CalibrationProfile:
@@ -135,26 +139,18 @@ def get_profile(db: str | Store | None, name: str) -> CalibrationProfile:
     if path is not None:  # reading must not leave an empty database behind
         raise ProfileNotFoundError(f"no cost profile {name!r}: there is no database at {path} "
                                    "(make one with `kvtune calibrate --name NAME`, or pass --db URL)")
-    store, owned = _open(db)
-    try:
+    with _opened(db) as store:
         data = store.load_profile(name)
         if data is None:
             names = store.list_profiles()
             there = ", ".join(names) if names else "none yet; make one with `kvtune calibrate --name NAME`"
             raise ProfileNotFoundError(f"no cost profile {name!r} in {store.display_url} (profiles: {there})")
         return CalibrationProfile.from_dict(data)
-    finally:
-        if owned:
-            store.close()
 
 
 def list_profiles(db: str | Store | None) -> list[CalibrationProfile]:
-    store, owned = _open(db)
-    try:
+    with _opened(db) as store:
         return [CalibrationProfile.from_dict(store.load_profile(n)) for n in store.list_profiles()]
-    finally:
-        if owned:
-            store.close()
 
 
 def load_cost_profile(db_url: str | None, name: str) -> CostCoefficients:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .design import LOADED_FIRST, LOADED_SPACING, TOKEN_HIGH, TOKEN_LOW, TTFT, Probe, ProbePlan, probe_prompts
 from .errors import CalibrationError
-from .server import prefill_times, prefix_hits
+from .server import PrefixCacheCounts, prefill_times, prefix_hits
 from .stream import BadAnswer, stream_request
 from .timings import ProbeRun, RequestTiming, TrialRun
 
@@ -50,7 +50,7 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
         warmup = Probe("warmup", "warm-up", 16, 4, (), batch=4)
         for _ in range(options.warmup_requests):  # connections, the server's first-request costs
             try:
-                await _trial(client, model_name, warmup, None, probe_prompts(warmup, rng)[1], options)
+                await _trial(client, model_name, warmup, None, probe_prompts(warmup, rng).prompts, options)
             except (httpx.HTTPError, BadAnswer) as err:
                 raise CalibrationError(_failure(url, warmup, err, check_alive)) from None
         for i, probe in enumerate(plan.probes):
@@ -61,12 +61,12 @@ async def _run_all(url, model_name, plan, options, check_alive, progress) -> lis
                     raise CalibrationError(f"probe {probe.label!r} on {url}: the probes ran past their "
                                            f"{options.deadline_s:.0f} s limit; the server is too slow for "
                                            "this probe set (try --quick or a smaller --max-prompt)")
-                warm, prompts = probe_prompts(probe, rng)
+                drawn = probe_prompts(probe, rng)
                 try:
                     if probe.background:
-                        trials.append(await _loaded_trial(client, model_name, probe, warm, rng, options))
+                        trials.append(await _loaded_trial(client, model_name, probe, drawn.warmup, rng, options))
                     else:
-                        trials.append(await _trial(client, model_name, probe, warm, prompts, options))
+                        trials.append(await _trial(client, model_name, probe, drawn.warmup, drawn.prompts, options))
                 except (httpx.HTTPError, BadAnswer) as err:
                     raise CalibrationError(_failure(url, probe, err, check_alive)) from None
             if hits_before is not None:
@@ -103,22 +103,22 @@ async def _trial(client, model_name, probe: Probe, warm, prompts, options) -> Tr
     trial = TrialRun(warm, prompts, list(timings))
     if before is not None:
         after = await prefill_times(client)
-        if after is not None and after[1] - before[1] == len(prompts):
-            trial.prefill_time_s = (after[0] - before[0]) / len(prompts)
+        if after is not None and after.count - before.count == len(prompts):
+            trial.prefill_time_s = (after.sum_s - before.sum_s) / len(prompts)
     return trial
 
 
-def _check_no_hits(url: str, probe: Probe, before: tuple, after: tuple | None) -> None:
+def _check_no_hits(url: str, probe: Probe, before: PrefixCacheCounts, after: PrefixCacheCounts | None) -> None:
     """A probe of fresh prompts must compute them: cached blocks would time lookups, not prefills.
     Chance matches of a few leading tokens (a radix cache's, SGLang) stay under the 10% allowed.
     Hits against queries, both in the server's own unit."""
     if after is None:
         return
-    hits, queries = after[0] - before[0], after[1] - before[1]
+    hits, queries = after.hits - before.hits, after.queries - before.queries
     if queries > 0 and hits > 0.1 * queries:
         raise CalibrationError(
             f"probe {probe.label!r} on {url}: the server's prefix cache served {hits:.0f} of {queries:.0f} "
-            f"prompt {after[2]} that should be new to it, so its timings are not the steps the probe designs "
+            f"prompt {after.unit} that should be new to it, so its timings are not the steps the probe designs "
             "(another client sending the same token ids, or a repeated --seed); calibrate an idle server, or "
             "reset its prefix cache (vLLM: POST /reset_prefix_cache)")
 

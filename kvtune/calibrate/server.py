@@ -70,17 +70,35 @@ async def _scrape(client):
         return None
 
 
-async def prefill_times(client) -> tuple[float, float] | None:
-    """(sum, count) of the server's vllm:request_prefill_time_seconds; None where it has none."""
+@dataclass(frozen=True)
+class PrefillTimes:
+    """The server's vllm:request_prefill_time_seconds so far: their sum, and how many."""
+
+    sum_s: float
+    count: float
+
+
+async def prefill_times(client) -> PrefillTimes | None:
+    """The server's prefill times so far; None where it has none."""
     snapshot = await _scrape(client)
     hist = None if snapshot is None else snapshot.histograms.get("prefill")
-    return (hist.sum, hist.count) if hist is not None else None
+    return PrefillTimes(hist.sum, hist.count) if hist is not None else None
 
 
-async def prefix_hits(client) -> tuple[float, float, str] | None:
-    """The server's prefix-cache hits and queries so far (vllm:prefix_cache_hits and _queries) and
-    their unit (tokens, or blocks on older vLLM); None where it exports none."""
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """The server's prefix-cache hits and queries so far (vllm:prefix_cache_hits and _queries),
+    in their `unit` (tokens, or blocks on older vLLM)."""
+
+    hits: float
+    queries: float
+    unit: str
+
+
+async def prefix_hits(client) -> PrefixCacheCounts | None:
+    """The server's prefix-cache counts so far; None where it exports none."""
     snapshot = await _scrape(client)
     if snapshot is None or snapshot.get("prefix_hits") is None or snapshot.get("prefix_queries") is None:
         return None
-    return snapshot.get("prefix_hits"), snapshot.get("prefix_queries"), snapshot.units.get("prefix_hits", "tokens")
+    return PrefixCacheCounts(snapshot.get("prefix_hits"), snapshot.get("prefix_queries"),
+                             snapshot.units.get("prefix_hits", "tokens"))

@@ -73,6 +73,15 @@ class Probed:
     wall_s: float
 
 
+@dataclass
+class _QuantizedPass:
+    """The probes of the server started again with a quantized KV cache, as the fit takes
+    them, and its speed's drift while probed (speed_drift; {} without one)."""
+
+    probes: QuantizedProbes
+    drift: dict
+
+
 def calibrate_target(server_target, config: EngineConfig, preset: str, device: str, name: str,
                      cost_profile: str | None = None, quantized_kv: str | None = None, *, quick: bool = False,
                      max_batch: int = 64, max_prompt: int | None = None, options: ProbeOptions | None = None,
@@ -88,12 +97,12 @@ def calibrate_target(server_target, config: EngineConfig, preset: str, device: s
                                      executor=executor, quick=quick, max_batch=max_batch, max_prompt=max_prompt,
                                      options=options)
         probed = probe_server(request, check_alive=server.check_alive, progress=progress)
-    quantized = drift = None
-    if quantized_kv and quantized_kv != "auto":
-        quantized, drift = _probe_quantized(server_target, request, probed.model, probed.device_spec, quantized_kv,
-                                            base, cost_profile, progress)
-    profile = fit_profile(probed, request, base, quantized=quantized)
-    return profile if quantized is None else add_dequant(profile, quantized, drift)
+    if not quantized_kv or quantized_kv == "auto":
+        return fit_profile(probed, request, base)
+    quantized = _probe_quantized(server_target, request, probed.model, probed.device_spec, quantized_kv, base,
+                                 cost_profile, progress)
+    profile = fit_profile(probed, request, base, quantized=quantized.probes)
+    return add_dequant(profile, quantized.probes, quantized.drift)
 
 
 def _started(server_target, config: EngineConfig, cost_profile: str | None):
@@ -122,14 +131,14 @@ def calibrate_quantized(server_target, config: EngineConfig, profile: Calibratio
     request = CalibrationRequest(profile.url, profile.model, profile.device, config, profile.name,
                                  target=profile.target, executor=profile.executor, quick=quick, max_batch=max_batch,
                                  max_prompt=max_prompt, options=options)
-    quantized, drift = _probe_quantized(server_target, request, model, device_spec, kv_cache_dtype,
-                                        profile.coefficients, cost_profile, progress)
-    return add_dequant(profile, quantized, drift)
+    quantized = _probe_quantized(server_target, request, model, device_spec, kv_cache_dtype, profile.coefficients,
+                                 cost_profile, progress)
+    return add_dequant(profile, quantized.probes, quantized.drift)
 
 
 def _probe_quantized(server_target, request: CalibrationRequest, model: ModelSpec, device_spec: DeviceSpec,
                      kv_cache_dtype: str, kernel: CostCoefficients, cost_profile: str | None = None,
-                     progress=None) -> tuple[QuantizedProbes, dict]:
+                     progress=None) -> _QuantizedPass:
     """The decode and long-context probes (planned as `request` says) of the target's server
     started with `request.config` but `kv_cache_dtype`, as step shapes and timings (their pairs
     counted as `kernel` says; each probe class named with the dtype), and its speed's drift while
@@ -142,12 +151,13 @@ def _probe_quantized(server_target, request: CalibrationRequest, model: ModelSpe
         if info.kv_cache_dtype and info.kv_cache_dtype != kv_cache_dtype:
             raise CalibrationError(f"{server.url} reports kv_cache_dtype {info.kv_cache_dtype!r}, not the "
                                    f"{kv_cache_dtype!r} it was started with")
-        server_config, _, runs, _ = _probe(dataclasses.replace(request, url=server.url, config=config), info,
-                                           model, device_spec, server.check_alive, progress, kinds=QUANTIZED_KINDS)
-    shapes, observations = step_shapes(runs, model, device_spec, server_config, kernel)
+        probed = _probe(dataclasses.replace(request, url=server.url, config=config), info, model, device_spec,
+                        server.check_alive, progress, kinds=QUANTIZED_KINDS)
+    shapes, observations = step_shapes(probed.runs, model, device_spec, probed.server_config, kernel)
     for o in observations:
         o.kind = f"{o.kind} {kv_cache_dtype}"
-    return QuantizedProbes(shapes, observations, kv_cache_dtype, server_config.block_size), speed_drift(runs) or {}
+    probes = QuantizedProbes(shapes, observations, kv_cache_dtype, probed.server_config.block_size)
+    return _QuantizedPass(probes, speed_drift(probed.runs) or {})
 
 
 def add_dequant(profile: CalibrationProfile, quantized: QuantizedProbes, drift: dict) -> CalibrationProfile:
@@ -184,11 +194,10 @@ def _observation(o) -> dict:
 
 
 def _probe(request: CalibrationRequest, info: ServerInfo, model: ModelSpec, device_spec, check_alive, progress,
-           kinds: tuple[str, ...] | None = None):
+           kinds: tuple[str, ...] | None = None) -> Probed:
     """Design the probes for the server at `request.url` (`info` what it says of itself,
-    `request.config` its flags) and run them (those of `kinds`, where given): its config as
-    corrected by `info`, what the plan could not cover (ProbePlan.notes), the runs, and the wall
-    time they took."""
+    `request.config` its flags) and run them (those of `kinds`, where given): the runs, and what
+    they were designed with (Probed)."""
     url = request.url
     server_config = _server_config(request.config or EngineConfig(), info, model, device_spec)
     pool = info.num_gpu_blocks * server_config.block_size if info.num_gpu_blocks else None
@@ -209,7 +218,7 @@ def _probe(request: CalibrationRequest, info: ServerInfo, model: ModelSpec, devi
             progress(f"  [{i}/{n}] {run.probe.label}: {measured}")
 
     runs = run_probes(url, info.model_name, plan, request.options, check_alive=check_alive, progress=each)
-    return server_config, list(plan.notes), runs, time.perf_counter() - t0
+    return Probed(url, model, device_spec, info, server_config, list(plan.notes), runs, time.perf_counter() - t0)
 
 
 def calibrate_url(request: CalibrationRequest, *, check_alive=None, progress=None,
@@ -228,8 +237,7 @@ def probe_server(request: CalibrationRequest, *, check_alive=None, progress=None
     model, device_spec = model_preset(request.preset), device_preset(request.device)
     info = server_info(request.url)
     model = _served_model(model, info, progress)
-    server_config, notes, runs, wall = _probe(request, info, model, device_spec, check_alive, progress)
-    return Probed(request.url, model, device_spec, info, server_config, notes, runs, wall)
+    return _probe(request, info, model, device_spec, check_alive, progress)
 
 
 def fit_profile(probed: Probed, request: CalibrationRequest, base: CostCoefficients,

@@ -42,6 +42,18 @@ def add_calibrate_command(sub) -> None:
     p.add_argument("--name", metavar="PROFILE",
                    help="the profile's name (default: from the target, model and device); an existing "
                         "profile of that name is replaced")
+    _add_model_device_flags(p)
+    add_engine_flags(p, platform_block_size=True)
+    _add_probe_flags(p)
+    add_server_flags(p)
+    add_db_argument(p)
+    p.add_argument("--no-save", action="store_true", help="fit and report, but store nothing")
+    p.add_argument("--json", action="store_true", help="end with the profile (less its observations) as one "
+                                                       "JSON object")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def _add_model_device_flags(p) -> None:
     g = p.add_argument_group("model and device (the presets the sim will run with the profile)")
     g.add_argument("--hf-config", dest="preset", metavar="PATH",
                    help="the model of a Hugging Face config.json (or its folder), instead of a --preset")
@@ -59,7 +71,9 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--cost-profile", metavar="FILE",
                    help="engine target with --executor sim: serve these coefficients (JSON), e.g. to check "
                         "that calibration recovers them")
-    add_engine_flags(p, platform_block_size=True)
+
+
+def _add_probe_flags(p) -> None:
     g = p.add_argument_group("probes")
     g.add_argument("--quick", action="store_true", help="a smaller probe set (about half the requests)")
     g.add_argument("--max-batch", type=positive_int, default=64,
@@ -78,12 +92,6 @@ def add_calibrate_command(sub) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="probe prompts' seed (default: fresh prompts each run; the same seed twice on one server "
                         "would hit the prefix cache the first run left)")
-    add_server_flags(p)
-    add_db_argument(p)
-    p.add_argument("--no-save", action="store_true", help="fit and report, but store nothing")
-    p.add_argument("--json", action="store_true", help="end with the profile (less its observations) as one "
-                                                       "JSON object")
-    p.set_defaults(func=cmd_calibrate)
 
 
 def default_name(target: str, executor: str | None, preset: str, device: str) -> str:
@@ -97,14 +105,7 @@ def cmd_calibrate(args) -> int:
     model = model_preset(preset)  # unknown presets, or one that is not the served model, fail before anything starts
     device_preset(device)
     config = config_from_args(args)
-    if args.cost_profile and not (args.target == "engine" and args.executor == "sim"):
-        raise ConfigError("--cost-profile needs --target engine --executor sim")
-    if args.quantized_kv and args.target.startswith(("http://", "https://")):
-        raise ConfigError(f"--quantized-kv {args.quantized_kv} needs a server kvtune starts (--target engine, vllm "
-                          f"or sglang): it restarts it with that KV cache dtype, and cannot restart {args.target}")
-    if args.quantized_kv and config.kv_cache_dtype not in (None, "auto"):
-        raise ConfigError(f"--quantized-kv {args.quantized_kv} times a quantized cache against the server's "
-                          f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
+    _refuse_conflicting_flags(args, config)
     name = args.name or default_name(args.target, args.executor, model.name, device)
     url = args.target.startswith(("http://", "https://"))
     server = None if url else _server_target(args, config, preset, device)
@@ -114,17 +115,8 @@ def cmd_calibrate(args) -> int:
             refuse_unservable(server, dataclasses.replace(config, kv_cache_dtype=args.quantized_kv),
                               f"--quantized-kv {args.quantized_kv}")
     store = None if args.no_save else Store(resolve_db_url(args.db))  # a bad --db fails before any probe
-    options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
-    plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
     try:
-        if url:
-            request = CalibrationRequest(args.target, preset, device, config, name, target="url", options=options,
-                                         **plan_args)
-            profile = calibrate_url(request, progress=_progress)
-        else:
-            profile = calibrate_target(server, config, preset, device, name, options=options,
-                                       cost_profile=args.cost_profile, quantized_kv=args.quantized_kv,
-                                       progress=_progress, **plan_args)
+        profile = _calibrate(args, server, config, preset, device, name)
     except (CalibrationError, TargetStartError) as err:
         print(f"error: calibrate: {err}", file=sys.stderr)
         print("nothing saved", file=sys.stderr)
@@ -142,6 +134,30 @@ def cmd_calibrate(args) -> int:
         data.pop("observations")
         print(json.dumps(data))
     return 0
+
+
+def _refuse_conflicting_flags(args, config: EngineConfig) -> None:
+    """ConfigError for flags that cannot go together, before anything starts."""
+    if args.cost_profile and not (args.target == "engine" and args.executor == "sim"):
+        raise ConfigError("--cost-profile needs --target engine --executor sim")
+    if args.quantized_kv and args.target.startswith(("http://", "https://")):
+        raise ConfigError(f"--quantized-kv {args.quantized_kv} needs a server kvtune starts (--target engine, vllm "
+                          f"or sglang): it restarts it with that KV cache dtype, and cannot restart {args.target}")
+    if args.quantized_kv and config.kv_cache_dtype not in (None, "auto"):
+        raise ConfigError(f"--quantized-kv {args.quantized_kv} times a quantized cache against the server's "
+                          f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
+
+
+def _calibrate(args, server, config: EngineConfig, preset: str, device: str, name: str):
+    """The profile of the server at the --target URL, or of `server` (a target kvtune starts)."""
+    options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
+    plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
+    if server is None:
+        request = CalibrationRequest(args.target, preset, device, config, name, target="url", options=options,
+                                     **plan_args)
+        return calibrate_url(request, progress=_progress)
+    return calibrate_target(server, config, preset, device, name, options=options, cost_profile=args.cost_profile,
+                            quantized_kv=args.quantized_kv, progress=_progress, **plan_args)
 
 
 def _server_target(args, config: EngineConfig, preset: str, device: str):
