@@ -54,7 +54,7 @@ def load_plan(path: str, shard: int = 0, shards: int = 1, use_text: bool = False
 def sse_payload(line: str):
     """One SSE line of an OpenAI-style stream -> its JSON payload, "DONE" for `data: [DONE]`, or None
     for blank, comment and other non-`data:` lines. kvtune's one parser of these lines: the locustfile's
-    replay and calibrate's probes (kvtune.calibrate.probes.stream_request) both read streams with it."""
+    replay and calibrate's probes (kvtune.calibrate.stream.stream_request) both read streams with it."""
     if not line or not line.startswith("data:"):
         return None
     data = line[5:].strip()
