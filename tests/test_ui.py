@@ -210,7 +210,7 @@ def test_runs_page_shows_each_run(seeded, monkeypatch):
     assert labels[seeded.runs["live engine"]].startswith(f"#{seeded.runs['live engine']} live engine (running server,")
     assert "http://127.0.0.1:" in labels[seeded.runs["url nobody serves"]]
     assert not [o for o in box.options if "unknown" in o]
-    assert table.set_index("run")["device"].isna()[seeded.runs["live engine"]]  # drawn as the report's dash
+    assert table.set_index("run").loc[seeded.runs["live engine"], "model on device"] == "llama-3-8b"
 
     latency = frame_with(at, "latency", "clients p95", "server p95").set_index("latency")
     for name in ("TTFT", "TPOT", "ITL", "end-to-end"):  # the live run: clients and server side by side

@@ -15,10 +15,10 @@ QUANTILES = (50, 95, 99)
 
 def runs_frame(rows: list[RunSummaryRow]) -> pd.DataFrame:
     """One row a run, its leading figures: as many columns as the page's width holds (the Runs page shows
-    the rest of the run picked)."""
+    the rest of the run picked); the model and the device in one column, a device nobody gave left out."""
     return pd.DataFrame([{
         "run": r.id, "created": r.created_at.strftime("%Y-%m-%d %H:%M"), "name": widgets.run_name(r),
-        "target": r.target, "model": r.model, "device": widgets.known(r.device), "status": r.status,
+        "target": r.target, "model on device": widgets.run_where(r, with_target=False), "status": r.status,
         "requests": r.requests, "completed": r.completed,
         "throughput (req/s)": r.throughput_rps, "TTFT p95 (ms)": _ms(r.ttft_p95),
         "KV usage peak (%)": _pct(r.kv_usage_peak), "preemptions": r.preemptions} for r in rows])
