@@ -1,4 +1,5 @@
-"""A real browser on a real `kvtune ui`: each page opens in headless Chromium, shows its title and no error.
+"""A real browser on a real `kvtune ui`: each page opens in headless Chromium, shows its title and no error,
+and reads like the report: no raw None or nan, no unrounded float, every table's columns within the page.
 
 Debian's chromium and chromium-driver (`make setup` installs them), driven by
 Selenium. Skipped, with the reason, only when they cannot be installed.
@@ -16,7 +17,7 @@ import time
 import httpx
 import pytest
 from serverproc import ServerProcess, free_port
-from test_ui import DEVICE, PAGES, PRESET
+from test_ui import DEVICE, PAGES, PRESET, RAW_MISSING, TIGHT_STUDY, UNROUNDED
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +31,30 @@ URL_PATHS = {"runs.py": "", "search.py": "search", "diagnoses.py": "diagnoses", 
 PAGE_TIMEOUT_S = 60
 SETTLE_S = 1.0
 CHART = '[data-testid="stImage"] img'
+# Each shown table (a glide grid: drawn on a canvas, its cells read out by an accessibility table that holds
+# only the rows and columns in view): its headers and rows in view, and how wide its content is against its
+# viewport (wider: columns past the right edge, behind a sideways scroll). A table in a closed expander or a
+# tab not shown has no width, and is left out.
+TABLES_JS = """
+return [...document.querySelectorAll('[data-testid="stDataFrame"]')]
+  .filter(g => g.getBoundingClientRect().width > 0)
+  .map(g => {
+    const scroller = g.querySelector('.dvn-scroller');
+    return {headers: [...g.querySelectorAll('th[role="columnheader"]')].map(h => h.textContent),
+            rows: [...g.querySelectorAll('tbody tr')].map(r => [...r.querySelectorAll('td')].map(c => c.textContent)),
+            content: scroller ? scroller.scrollWidth : 0, viewport: scroller ? scroller.clientWidth : 0};
+  });
+"""
+# Per page as it first opens, the tables whose headers must all be in view: the figures with their units.
+HEADERS = {
+    "runs.py": [("latency", "clients p95", "server p95", "server p99"), ("per request", "p50 (tokens)", "mean (tokens)")],
+    "search.py": [("result", "goodput (req/s)", "throughput (req/s)", "TTFT p95 (ms)", "TPOT p95 (ms)", "note"),
+                  ("config", "block_size", "kv_cache_dtype"),
+                  ("config", "stage", "goodput (req/s)", "TTFT p95 (ms)", "TPOT p95 (ms)", "meets SLOs")],
+    "diagnoses.py": [("metric", "window", "value", "threshold")],
+    "planner.py": [("auto (bfloat16)", "fp8")],
+    "live.py": [],
+}
 
 
 def chromium_missing() -> str | None:
@@ -175,6 +200,57 @@ def charts_loading(driver) -> bool:
         "return [...document.querySelectorAll(arguments[0])].some(i => !i.complete || !i.naturalWidth)", CHART))
 
 
+def readable(driver) -> list[dict]:
+    """The page's tables (TABLES_JS), once its text and theirs are checked: no raw None or nan, no float
+    nobody rounded, no table wider than its viewport."""
+    from selenium.webdriver.common.by import By
+
+    tables = driver.execute_script(TABLES_JS)
+    cells = [cell for t in tables for cell in [*t["headers"], *(c for row in t["rows"] for c in row)]]
+    words = "\n".join([driver.find_element(By.TAG_NAME, "body").text, *cells])
+    assert not RAW_MISSING.search(words), RAW_MISSING.search(words)
+    assert not UNROUNDED.search(words), UNROUNDED.search(words)
+    for t in tables:
+        assert t["content"] <= t["viewport"] + 1, f"columns past the right edge of {t['headers']}: {t}"
+    return tables
+
+
+def table_with(tables: list[dict], *headers: str) -> dict:
+    """The table showing these headers: each in view (TABLES_JS reads out only those), none cut off."""
+    found = [t for t in tables if set(headers) <= set(t["headers"])]
+    assert found, f"no table shows {headers}: {[t['headers'] for t in tables]}"
+    return found[0]
+
+
+def choose(driver, label: str, option: str, title: str) -> None:
+    """Pick the option that reads `option` in the select box labelled `label`, and wait for the rerun."""
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.CSS_SELECTOR, f'[data-testid="stSelectbox"] input[aria-label="{label}"]')
+    box.click()
+    deadline = time.monotonic() + 10
+    while not (found := [o for o in driver.find_elements(By.CSS_SELECTOR, '[role="option"]') if option in o.text]):
+        assert time.monotonic() < deadline, f"no option {option!r} in {label!r}"
+        time.sleep(0.2)
+    found[0].click()
+    deadline = time.monotonic() + 30
+    while option not in (box.get_attribute("value") or ""):
+        assert time.monotonic() < deadline, f"{label!r} did not take {option!r}"
+        time.sleep(0.2)
+    time.sleep(SETTLE_S)  # the rerun starts a moment after the value changes
+    wait_for_page(driver, title)
+
+
+def expand(driver, text: str, title: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    summary = next(s for s in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stExpander"] summary')
+                   if text in s.text)
+    summary.click()
+    time.sleep(SETTLE_S)
+    wait_for_page(driver, title)
+
+
 @pytest.mark.parametrize("page", list(PAGES))
 def test_page_renders_in_chromium(page, ui, browser, tmp_path):
     from selenium.webdriver.common.by import By
@@ -193,6 +269,65 @@ def test_page_renders_in_chromium(page, ui, browser, tmp_path):
     assert "Traceback" not in body
     if page in ("runs.py", "search.py", "planner.py"):
         assert chart_images(browser) and all(i.size["height"] > 100 for i in chart_images(browser))
+    tables = readable(browser)
+    for headers in HEADERS[page]:
+        table_with(tables, *headers)
+
+
+def test_search_pages_read_like_the_report_in_chromium(ui, ui_database, browser, tmp_path):
+    """A study with failed trials and a default that failed: every failed trial's whole reason is on the
+    page, its figures missing (never None), the default reads failed; a study with a stage 2 fits its live
+    columns in view."""
+    import optuna
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{ui}/search")
+    wait_for_page(browser, "Search")
+    choose(browser, "Study", TIGHT_STUDY, "Search")
+    browser.save_screenshot(str(tmp_path / "search-tight.png"))
+    tables = readable(browser)
+    trials = table_with(tables, "trial", "result", "goodput (req/s)", "TTFT p95 (ms)", "note")
+    failed = [row for row in trials["rows"] if row[trials["headers"].index("result")].startswith("⚠")]
+    assert failed and all(row[trials["headers"].index("goodput (req/s)")] == "" for row in failed)  # no figure
+    body = " ".join(browser.find_element(By.TAG_NAME, "body").text.split())
+    study = optuna.load_study(study_name=TIGHT_STUDY, storage=ui_database.db)
+    reasons = [t.user_attrs["fail_reason"] for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert reasons
+    for reason in reasons:  # whole, wrapped in view: not what a cell's width leaves
+        assert " ".join(reason.replace("`", "").split()) in body
+    figures = table_with(tables, "config", "stage", "goodput (req/s)", "TTFT p95 (ms)", "TPOT p95 (ms)", "meets SLOs")
+    default = next(row for row in figures["rows"] if row[0] == "the default")
+    assert default[figures["headers"].index("meets SLOs")] == "failed"
+
+    choose(browser, "Study", "staged", "Search")
+    browser.save_screenshot(str(tmp_path / "search-staged.png"))
+    tables = readable(browser)
+    figures = table_with(tables, "config", "stage", "goodput (req/s)", "TTFT p95 (ms)", "TPOT p95 (ms)",
+                         "meets SLOs", "goodput, 95 % interval (req/s)", "runs (ok/all)")
+    assert {row[1] for row in figures["rows"]} == {"sim", "live"}
+
+
+def test_runs_and_diagnoses_read_like_the_report_in_chromium(ui, ui_database, browser, tmp_path):
+    """Every run in one table that fits the page; a URL's run named for the server, not 'on unknown'; a
+    diagnosis that found nothing shows no faults, without a hint to store it."""
+    from selenium.webdriver.common.by import By
+
+    browser.get(ui)
+    wait_for_page(browser, "Runs")
+    run = browser.find_element(By.CSS_SELECTOR, '[data-testid="stSelectbox"] input[aria-label="Run"]')
+    assert "running server" in run.get_attribute("value") and "unknown" not in run.get_attribute("value")
+    expand(browser, "All", "Runs")
+    browser.save_screenshot(str(tmp_path / "runs-all.png"))
+    tables = readable(browser)
+    table_with(tables, "run", "name", "status", "throughput (req/s)", "TTFT p95 (ms)", "KV usage peak (%)",
+               "preemptions")
+
+    browser.get(f"{ui}/diagnoses")
+    wait_for_page(browser, "Diagnoses")
+    choose(browser, "Run", "sim default", "Diagnoses")
+    readable(browser)
+    assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="stAlertContentSuccess"]')
+    assert "kvtune diagnose --run" not in browser.find_element(By.TAG_NAME, "body").text
 
 
 def test_live_page_updates_in_chromium(ui, browser, tmp_path):
@@ -225,5 +360,6 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
         assert chart_images(browser)
         assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], '
                                                           '[data-testid="stAlertContentError"]')
+        table_with(readable(browser), "latency", "server p50", "server p95", "server p99")
     finally:
         server.stop()
