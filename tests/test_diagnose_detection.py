@@ -251,7 +251,7 @@ def test_f4_a_varying_header_before_a_shared_body_is_a_warning_with_the_exact_fi
     assert (profile["repeated_head_tokens"], profile["repeated_body_tokens"]) == (HEAD, BODY)
     f4 = fired(result)["F4"]
     assert f4.severity == "warning"
-    assert f"move the varying {HEAD}-token header after the shared {BODY:,}-token body" in f4.fix
+    assert not f4.changes and f4.fix.index(f"{HEAD}-token") < f4.fix.index(f"{BODY:,}-token")  # head after body
     assert evidence(f4, "varying head before the shared body").value == HEAD
     assert evidence(f4, "shared body behind it").value == BODY
 
@@ -286,7 +286,8 @@ def first_change(diagnosis):
 def test_f5_a_large_batch_budget_is_lowered_first_and_that_starts_and_serves():
     result, error = failed_with_profile()
     [f5] = diagnose(result, error=error)
-    assert f5.id == "F5" and "To serve at least one request" in evidence(f5, "start error").value
+    cited = evidence(f5, "start error").value
+    assert f5.id == "F5" and len(cited) >= 80 and error.startswith(cited)  # the engine's line (long lines cut)
     first = first_change(f5)
     assert first.flag == "--max-num-batched-tokens" and first.old == 65536 and first.new < 65536
     assert "activation peak" in first.effect
@@ -351,7 +352,7 @@ def engine_run() -> RunResult:
 def test_f5_on_an_engine_target_cites_the_memory_line_of_its_log(engine_start_error):
     [f5] = diagnose(engine_run(), error=str(engine_start_error))
     cited = evidence(f5, "start error").value
-    assert "To serve at least one request" in cited and not cited.startswith("the server exited")
+    assert cited and engine_start_error.cause.startswith(cited)  # the log's root-cause line, not the wrapper
     assert first_change(f5).flag == "--max-num-batched-tokens"
     # a record that kept only the wrapper line and the log's path still finds the cause in the log
     wrapper_only = f"the server exited with status 1 before it was healthy\nfull log: {engine_start_error.log_path}"

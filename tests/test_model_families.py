@@ -199,11 +199,14 @@ def test_search_tunes_a_70b_model_at_tp_4_in_fp8_and_its_launch_line_says_so(tmp
     trace.write_text("\n".join(lines[:60]) + "\n")
     code = main(["search", "--workload", str(trace), "--target", "none", "--preset", "llama-3.1-70b", "--device",
                  "h100-80gb", "--tensor-parallel-size", "4", "--quantization", "fp8", "--max-model-len", "8192",
-                 "--trials", "3",
+                 "--trials", "3", "--json",
                  "--db", f"sqlite:///{tmp_path}/k.db", "--report-dir", str(tmp_path / "report")])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "stage-1 trials of llama-3.1-70b on 4 × h100-80gb" in out
+    from kvtune.search.report_data import load_report_data
+    info = load_report_data(f"sqlite:///{tmp_path}/k.db", json.loads(out.strip().splitlines()[-1])["study"]).info
+    assert (info.model, info.device, info.tensor_parallel_size) == ("llama-3.1-70b", "h100-80gb", 4)
+    assert "llama-3.1-70b on 4 × h100-80gb" in out  # the search says what it tunes on as it starts
     report = (tmp_path / "report" / "report.md").read_text()
     assert "tuned the KV cache of `llama-3.1-70b` on `4 × h100-80gb (tensor parallel)`" in report
     assert "--tensor-parallel-size 4" in report and "--quantization fp8" in report
@@ -245,13 +248,16 @@ def test_search_chooses_tensor_parallelism_and_replicas_for_the_gpus_given(tmp_p
     common = ["search", "--workload", str(trace), "--preset", "llama-3.1-70b", "--device", "h100-80gb",
               "--gpus", "8", "--max-model-len", "8192", "--db", f"sqlite:///{tmp_path}/k.db"]
     code = main([*common, "--target", "none", "--trials", "8", "--seed", "3", "--space", "tensor_parallel_size=1,2,8",
-                 "--report-dir", str(tmp_path / "report")])
+                 "--report-dir", str(tmp_path / "report"), "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0].isdigit()]
     assert rows and all(r[5] in ("2", "8") for r in rows)  # TP 1 never fits: its trials failed
+    from kvtune.search.report_data import load_report_data
+    study = json.loads(out.strip().splitlines()[-1])["study"]
+    assert load_report_data(f"sqlite:///{tmp_path}/k.db", study).info.gpus == 8  # the replicas the figures assume
     report = (tmp_path / "report" / "report.md").read_text()
-    assert "With 8 GPUs, each config serves 8 / TP replicas" in report and "split evenly" in report
+    assert "8 GPUs" in report and "8 / TP" in report  # and the report says so
     assert main([*common, "--target", "engine", "--trials", "2"]) == 2  # a live run cannot serve the layouts
     assert "--gpus compares replica layouts on the simulator only" in capsys.readouterr().err
 
@@ -307,7 +313,8 @@ def test_a_running_servers_model_is_read_from_its_v1_models_id(tmp_path, capsys)
     try:
         assert simulated_model(argparse.Namespace(target=other.url, preset=None, model=None), "llama-3-8b") == \
             "llama-3-8b"
-        assert "note: the simulator runs llama-3-8b, the default" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "note:" in err and "llama-3-8b" in err  # the default model, named in a note
     finally:
         other.stop()
 

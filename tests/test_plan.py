@@ -90,13 +90,23 @@ def test_cli_json_keys_for_the_worked_example(capsys):
 
 
 def test_cli_table_shows_dtypes_side_by_side(capsys):
-    assert kvtune_plan("--preset", "llama-3-8b", "--device", "h100-80gb", "--context", "4096",
-                       "--context", "32768") == 0
+    argv = ("--preset", "llama-3-8b", "--device", "h100-80gb", "--context", "4096", "--context", "32768")
+    assert kvtune_plan(*argv) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "auto (bfloat16)" in line)
     assert header.index("auto (bfloat16)") < header.index("fp8")
-    assert "KV bytes per token" in out and "128 KiB" in out and "64 KiB" in out
-    assert "requests at 32,768 tokens" in out and "contiguous at max_model_len 8,192" in out
+    by_dtype = plan_json(capsys, *argv)["by_dtype"]
+    auto, fp8 = by_dtype["auto"], by_dtype["fp8"]
+
+    def row(label: str) -> list[str]:  # the table's cells after a row's label: auto's, then fp8's
+        return next(line for line in out.splitlines() if line.strip().startswith(label)).split(label)[1].split()
+
+    assert row("KV bytes per token") == ["128", "KiB", "64", "KiB"]
+    assert [auto["kv_bytes_per_token"], fp8["kv_bytes_per_token"]] == [128 * KiB, 64 * KiB]
+    assert [float(x) for x in row("requests at 32,768 tokens")] == pytest.approx(
+        [auto["max_concurrency"]["32768"], fp8["max_concurrency"]["32768"]], abs=0.005)
+    assert [int(x) for x in row("contiguous at max_model_len 8,192")] == [auto["contiguous_requests"],
+                                                                        fp8["contiguous_requests"]]
 
 
 def test_cli_workload_adds_its_percentiles(tmp_path, capsys):

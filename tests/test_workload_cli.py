@@ -26,6 +26,12 @@ def azure(tmp_path) -> Path:
     return path
 
 
+def row(out: str, label: str) -> str | None:
+    """The value of one row of `trace stats`' table (its label, then the value), None without one."""
+    return next((line.removeprefix(label).strip() for line in out.splitlines() if line.startswith(label + " ")),
+                None)
+
+
 def test_stats_json_is_the_last_line(capsys):
     assert kvtune_main("trace", "stats", AZURE_CODE, "--json") == 0
     out = capsys.readouterr().out
@@ -34,8 +40,11 @@ def test_stats_json_is_the_last_line(capsys):
     for key in ("rate_rps", "ideal_prefix_hit_rate", "distinct_prefix_blocks"):
         assert key in stats
     assert set(stats["input_len"]) == {"p50", "p95", "p99", "max", "mean"}
-    assert "ideal prefix hit rate" in out and "requests" in out
-    assert stats["hash_block_size"] is None and "hash block size" not in out  # Azure has no hash ids
+    # the table shows the JSON's figures: the hit rate as a percentage of the prompt tokens
+    assert row(out, "ideal prefix hit rate").split()[:4] == [f"{100 * stats['ideal_prefix_hit_rate']:.1f}", "%",
+                                                            "of", str(stats["prompt_tokens"])]
+    assert row(out, "requests").split()[0] == str(stats["requests"])
+    assert stats["hash_block_size"] is None and row(out, "hash block size") is None  # Azure has no hash ids
 
 
 def test_stats_block_size_changes_the_hit_rate(tmp_path, capsys):
