@@ -103,7 +103,7 @@ def test_a_pool_fixed_by_server_args_is_the_one_stage_1_simulates_and_utilisatio
     assert rules.sim_config(EngineConfig()).kv_cache_memory_bytes == 4 * 2**20
     space, notes = SearchSpace.default(()).for_target(rules)
     assert "gpu_memory_utilization" not in space.names
-    assert any("--kv-cache-memory-bytes sizes the pool" in n for n in notes), notes
+    assert [n for n in notes if "gpu_memory_utilization" in n and "--kv-cache-memory-bytes" in n], notes
     vllm = VllmTarget(model="m", vllm_command="/opt/venv/bin/vllm", extra_args="--num-gpu-blocks-override=64")
     assert vllm.rules.sim_config(EngineConfig()).num_gpu_blocks_override == 64
     assert VllmTarget(model="m", vllm_command="/opt/venv/bin/vllm").rules.sim_config(EngineConfig()) == EngineConfig()

@@ -117,8 +117,15 @@ def test_the_run_summary_prints_a_first_bucket_quantile_as_a_bound():
     text = format_summary(result)
     queue = next(line for line in text.splitlines() if line.strip().startswith("queue"))
     assert queue.count("< 300 ms") == 3 and "150" not in queue
-    assert "0 of 1 requests preempted at least once" in text
-    assert "0 prompt tokens served from cache (server)" in text
+    def row(label: str) -> str:
+        return next(line for line in text.splitlines() if line.startswith(label)).removeprefix(label).strip()
+
+    # the server's counts beside the clients': none of its 1 finished request preempted, no cached tokens
+    assert row("preemptions").split("; ")[1].split()[:3] == [str(s["server_requests_preempted"]), "of",
+                                                            f"{s['server_request_preemptions_count']:,.0f}"]
+    assert (s["server_requests_preempted"], s["server_request_preemptions_count"]) == (0, 1)
+    assert row("prefix hits").split("; ")[1].split()[0] == f"{s['server_cached_prompt_tokens']:,.0f}" == "0"
+    assert row("prefix hits").endswith("(server)") and row("preemptions").endswith("(server)")
 
 
 # -- quantiles at the edges of the buckets ------------------------------------------------
@@ -187,7 +194,7 @@ def test_the_clients_saw_no_preemption_but_the_summary_has_the_servers():
     assert result.summary["server_requests_preempted"] > 0
     text = format_summary(result)
     finished, preempted, _ = by_hand_preempted(BEFORE, AFTER)
-    assert f"{preempted} of {finished} requests preempted at least once" in text
+    assert f"; {preempted} of {finished} requests" in text  # the server's count, on the preemptions line
 
 
 @live
@@ -218,7 +225,7 @@ def test_f6_fires_on_the_preempting_live_run_from_the_servers_counts():
     assert f6.severity == ("critical" if preempted / finished >= Thresholds().preempted_share_critical
                            else "warning")
     overview = "\n".join(pool_overview(gather(result, Thresholds())))
-    assert f"{preempted} of {finished} requests preempted at least once" in overview
+    assert f"{preempted} of {finished} requests" in overview
 
 
 @live
