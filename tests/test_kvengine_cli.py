@@ -1,5 +1,6 @@
 """`kvengine` on the command line, as an operator runs it."""
 import json
+import re
 import subprocess
 import sys
 
@@ -17,10 +18,14 @@ def test_help_on_every_command():
 def test_plan_prints_vllm_startup_lines_and_json():
     p = kvengine("plan", "--preset", "llama-3-8b", "--device", "h100-80gb", "--context", "4096", "--json")
     assert p.returncode == 0, p.stderr
-    assert "GPU KV cache size:" in p.stdout and "Maximum concurrency for 8,192 tokens" in p.stdout
     result = json.loads(p.stdout.strip().splitlines()[-1])
     assert result["kv_bytes_per_token"] == 131072
     assert result["pool_tokens"] == result["num_gpu_blocks"] * 16
+    # vLLM's start-up lines, as operators grep them, with the plan's own figures in them
+    size = re.search(r"^GPU KV cache size: ([\d,]+) tokens$", p.stdout, re.MULTILINE)
+    concurrency = re.search(r"^Maximum concurrency for 8,192 tokens per request: ([\d.]+)x$", p.stdout, re.MULTILINE)
+    assert size and int(size.group(1).replace(",", "")) == result["pool_tokens"]  # 8,192 divides into blocks of 16
+    assert concurrency and float(concurrency.group(1)) == round(result["num_gpu_blocks"] / (8192 // 16), 2)
     assert set(result["max_concurrency"]) == {"4096"}
 
 

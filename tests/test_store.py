@@ -94,16 +94,15 @@ def test_run_without_requests_or_series(store):
 
 def test_failed_run_keeps_its_reason(store):
     bad = RunResult("sim", MODEL.name, DEVICE.name, {"gpu_memory_utilization": 0.5}, {}, [], {}, 0.0)
-    failed_id = store.save_run(bad, status="failed", error="no room for KV blocks at gpu_memory_utilization=0.5")
+    reason, exited = "no room for KV blocks at gpu_memory_utilization=0.5", "server exited with code 1"
+    failed_id = store.save_run(bad, status="failed", error=reason)
     started_id = store.start_run("engine", MODEL.name, DEVICE.name, config={"block_size": 16})
-    store.mark_run(started_id, "failed", "server exited with code 1")
+    store.mark_run(started_id, "failed", exited)
 
-    assert store.get_run(failed_id).error.startswith("no room for KV blocks")
+    assert store.get_run(failed_id).error == reason
     assert store.load_run(failed_id).config == {"gpu_memory_utilization": 0.5}
     rows = store.list_runs(status="failed")
-    assert {(r.id, r.error) for r in rows} == {
-        (failed_id, "no room for KV blocks at gpu_memory_utilization=0.5"),
-        (started_id, "server exited with code 1")}
+    assert {(r.id, r.error) for r in rows} == {(failed_id, reason), (started_id, exited)}
 
 
 def test_bad_status_is_refused(store):

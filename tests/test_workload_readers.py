@@ -119,7 +119,7 @@ def test_sharegpt_turns_carry_the_conversation_so_far(tmp_path):
     assert len(w) == 3 and w.failed == 1
     first, second, third = w.requests
     assert first.prompt == "Hello" and (first.input_length, first.output_length) == (5, 9)
-    assert second.prompt == "Hello\nHi there!\nTell me a joke"
+    assert second.prompt == "\n".join(turn["value"] for turn in SHAREGPT[0]["conversations"][:3])  # the turns so far
     assert second.input_length == count_tokens(second.prompt) and second.output_length == 3
     assert third.prompt == "Be brief.\nhéllo" and third.input_length == 16
     assert [r.session_id for r in w] == ["c1", "c1", "c2"]
