@@ -4,6 +4,7 @@ interleaved repeats, early stop and budget, on the real simulator, and `kvtune s
 refusing a target that does not serve before stage 1 starts."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -193,6 +194,41 @@ def test_stage2_interleaves_its_repeats_stores_each_runs_score_and_stops_once_se
     assert len(stored) == len(outcomes)
     first = store.load_run(stored[-1].id)
     assert {"score", "doubts", "repeat"} <= set(first.summary) and first.summary["score"]["values"]
+
+
+@pytest.mark.parametrize("serves", [(16, 32, 64), (16, 32)])
+def test_after_a_win_the_descent_recommends_the_smallest_step_back_that_still_wins(tmp_path, serves):
+    """A server on which every block size in `serves` serves alike and any other crawls (one sequence at
+    a time). Block 16 beats the default (128) in the race; the descent then runs its steps back towards
+    128, the smallest change first (64, then 32), and recommends the first the test cannot tell from
+    block 16 while it beats the default; a step that loses is passed over."""
+    model, device = model_preset("llama-3-8b"), device_preset("l4-24gb")
+    sim = SimTarget(model, device).run
+    space = load_space(None, ["block_size=16,32,64,128", "max_num_seqs=256", "kv_cache_dtype=auto"])
+    base = EngineConfig(max_model_len=4096, block_size=128)
+    dflt = default_params(space, base.resolve(model, device))
+
+    def server(config, workload):
+        if config.block_size in serves:
+            return sim(dataclasses.replace(config, block_size=16), workload)
+        return sim(dataclasses.replace(config, max_num_seqs=1), workload)
+
+    numbers = iter(range(100, 110))
+    asked = []
+
+    def number_of(params, winner):
+        asked.append((params["block_size"], winner))
+        return next(numbers)
+
+    plan = LivePlan(repeats=2, max_repeats=2)
+    cands = [LiveConfig("trial 0", 0, dict(dflt, block_size=16)), LiveConfig("default", -1, dflt)]
+    outcomes = run_stage2(server, cands, space, base, busy(), Objective("throughput", ()),
+                          Store(f"sqlite:///{tmp_path}/s.db"), "s", plan, number_of=number_of)
+    verdict, _, _ = choose([], [o.measurement for o in outcomes], [], dflt, plan.looks)
+    assert verdict.kind == BETTER and verdict.recommended.params["block_size"] == max(serves)
+    assert asked == ([(64, 0)] if 64 in serves else [(64, 0), (32, 0)])  # the first winning step ends it
+    assert {o.candidate.params["block_size"] for o in outcomes} == {16, 128, *(b for b, _ in asked)}
+    assert trials_named(plan.notes[0])[:2] == [100, 0]
 
 
 def test_a_live_budget_drops_the_weakest_candidates_never_the_default(tmp_path):

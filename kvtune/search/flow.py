@@ -165,7 +165,7 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
         if notes:
             ranked = ranked_trials(study, req.objective)
             feasible = [t for t in ranked if is_feasible(t)]
-        _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study)
+        _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study, stage1)
     return SearchOutcome(req.study, ranked, feasible, _stored_verdict(req, sim, store, stage1, say))
 
 
@@ -195,7 +195,7 @@ def _live_default(live, sim_base: EngineConfig, baseline: dict, model, device) -
     return dataclasses.replace(live.rules.default_config(sim_base), **baseline).resolve(model, device)
 
 
-def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study) -> None:
+def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, study, stage1) -> None:
     candidates, notes = live_candidates(ranked, req.top_k, dflt)
     for note in notes:
         say(f"note: {note}")
@@ -205,8 +205,12 @@ def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, stud
     study.set_user_attr("live_looks", plan.looks)  # the report's verdict spends the error budget as stage 2 did
     say(f"stage 2: {len(candidates)} configs on the {req.live_kind} target, {plan.repeats}-{plan.max_repeats} "
         f"runs each, interleaved ({len(live_workload)} requests over {live_workload.duration_s:.0f} s a run)")
+    def number_of(params: dict, winner: int) -> int | None:  # a descent's step, as a stage-1 trial
+        trial = stage1.run_more(params, winner)
+        return trial.number if trial is not None else None
+
     run_stage2(live.run, candidates, space, base, live_workload, req.objective, store, req.study, plan,
-               on_result=on_live, simulator=Simulator.of(sim, live_workload, req.profile))
+               on_result=on_live, simulator=Simulator.of(sim, live_workload, req.profile), number_of=number_of)
     for note in plan.notes:
         say(f"note: {note}")
 

@@ -142,6 +142,20 @@ class SearchSpace:
         return SearchSpace(kept), [f"gpu_memory_utilization is not searched: {server} ignores it ({pool_knob} "
                                    "sizes the pool)"]
 
+    def steps_toward(self, params: dict, default: dict) -> list[dict]:
+        """`params` with one knob of discrete numeric values moved part of the way back to the
+        default's value (each value strictly between the two), the cheapest change first
+        (`change_cost`): what stage 2's descent tries live after a win, since random sampling
+        overshoots a knob that matters little (block 16 where 64 serves as well)."""
+        steps = []
+        for knob in self.knobs:
+            new, old = params.get(knob.name), default.get(knob.name)
+            if knob.choices is None or not (_positive_number(new) and _positive_number(old)):
+                continue
+            low, high = sorted((new, old))
+            steps += [params | {knob.name: v} for v in knob.choices if _positive_number(v) and low < v < high]
+        return sorted(steps, key=lambda p: change_cost(p, default))
+
     def config(self, params: dict, base: EngineConfig) -> EngineConfig:
         """The engine config a trial's parameters describe (the rest from `base`)."""
         return dataclasses.replace(base, **params)
@@ -162,8 +176,11 @@ def change_cost(params: dict, default: dict) -> tuple[int, int, float]:
 
 def _step(new, old) -> float:
     """How far a flag moves: |log2(new / old)| between positive numbers, 1 for any other change."""
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in (new, old))
-    return abs(math.log2(new / old)) if numbers else 1.0
+    return abs(math.log2(new / old)) if _positive_number(new) and _positive_number(old) else 1.0
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 def tensor_parallel_knob(model, gpus: int) -> Knob:

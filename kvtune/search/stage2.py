@@ -11,13 +11,20 @@ what the simulator cannot). Every round runs each config still in the race once,
 after each round, the one ranking (`ranking.choose`) judges the runs: it stops the race once it
 can say "better", "infeasible", "failed" or "inconclusive" (more runs mend no doubt), and a
 config out of the leader's tie leaves it (it can no longer win); at `max_repeats` rounds, or at
-the budget, the race ends. A live test is the only judge; the simulator only orders.
+the budget, the race ends. Once a config is shown better, the descent: its steps back towards the
+default on a knob of discrete values (block 32 and 64 for a block-16 winner over a default of 128),
+the smallest change first, run `repeats` times each; the one ranking recommends a step that beats
+the default and that it cannot tell from the winner (the smaller change), and the descent goes on
+from there. Random sampling overshoots a knob that matters little, and which overshoot a search
+finds moves with each calibration: the descent gives the same advice on a rerun. A live test is the
+only judge; the simulator only orders.
 
 Every run is stored with what it scored, its SLO verdicts, the doubts about its own evidence
 and its diagnoses: the report and the UI read them, they never re-score or re-diagnose.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvengine.config import EngineConfig
@@ -199,39 +206,92 @@ def representable(space: SearchSpace, params: dict) -> bool:
 
 def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
-               on_result=None, simulator: Simulator | None = None) -> list[LiveOutcome]:
-    """Each run's diagnoses are stored with it, their fixes first tried on `simulator`. A resumed
-    search continues where the stored runs of `study` stop: a config's completed runs count as its
-    first repeats and against the budget, as if the search had not been interrupted."""
+               on_result=None, simulator: Simulator | None = None,
+               number_of: Callable[[dict, int], int | None] | None = None) -> list[LiveOutcome]:
+    """The race, then the descent: once a config is shown `better`, its steps back towards the
+    default on a knob of discrete values (`space.steps_toward`, the smallest change first) enter one
+    at a time, `repeats` runs each, and the one ranking judges again; a step it recommends is the new
+    winner, whose own steps follow, until none is left. `number_of(params, winner)`: the stage-1 trial
+    number of a step of trial `winner` (None: it failed in the simulator, and is not run); without it
+    there is no descent.
+    Each run's diagnoses are stored with it, their fixes first tried on `simulator`. A resumed search
+    continues where the stored runs of `study` stop: a config's completed runs count as its first
+    repeats and against the budget, as if the search had not been interrupted."""
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
-    dflt = next((c.params for c in candidates if c.label == "default"), None)
-    outcomes = _resumed(candidates, [m for m in live_runs(store, study, objective.slos) if m.ok])
-    done = {(id(o.candidate), o.repeat) for o in outcomes}
-    active, spent = list(candidates), len(outcomes)
-    for repeat in range(1, plan.max_repeats + 1):
-        for cand in active:
-            if (id(cand), repeat) in done:
-                continue
-            if plan.budget is not None and spent >= plan.budget:
-                return outcomes
-            outcome = _run_once(run, cand, repeat, space.config(cand.params, base), workload, objective, store, study,
-                                simulator)
-            outcomes.append(outcome)
-            spent += 1
-            _save_config_row(store, study, cand, [o for o in outcomes if o.candidate is cand], objective)
-            if on_result:
-                on_result(outcome)
-        failed = {id(o.candidate) for o in outcomes if o.error and o.repeat == 1}
-        active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
-        if repeat < plan.repeats:
-            continue
-        verdict, _, _ = choose([], [o.measurement for o in outcomes], list(objective.slos), dflt, plan.looks)
-        if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active:  # more runs mend no doubt
+    stored = [m for m in live_runs(store, study, objective.slos) if m.ok]
+    race = _Race(run, space, base, workload, objective, store, study, plan, on_result, simulator,
+                 next((c.params for c in candidates if c.label == "default"), None), _resumed(candidates, stored))
+    verdict, tried = race.rounds(candidates, plan.max_repeats), [c.params for c in candidates]
+    while number_of is not None and verdict is not None and verdict.kind == BETTER and not race.spent:
+        step = next((p for p in space.steps_toward(verdict.recommended.params, race.dflt) if p not in tried), None)
+        if step is None:
             break
-        still = {id(c) for c in active if c.params == dflt or any(t.params == c.params for t in verdict.tied)}
-        active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
-    return outcomes
+        tried.append(step)
+        winner = verdict.recommended.live.number
+        if (number := number_of(step, winner)) is None:
+            continue
+        knob = next(k for k, v in step.items() if verdict.recommended.params.get(k) != v)
+        plan.notes.append(f"trial {number} is trial {winner} with {knob} {step[knob]}, a step back towards the "
+                          f"default's {race.dflt[knob]}: it ran live once trial {winner} was shown better")
+        cand = LiveConfig(f"trial {number}", number, step)
+        race.outcomes += _resumed([cand], stored)
+        verdict = race.rounds([cand], plan.repeats)
+    return race.outcomes
+
+
+@dataclass
+class _Race:
+    """Stage 2's runs so far (`outcomes`) and how to add rounds of them."""
+    run: Callable
+    space: SearchSpace
+    base: EngineConfig
+    workload: object
+    objective: Objective
+    store: Store
+    study: str
+    plan: LivePlan
+    on_result: Callable | None
+    simulator: Simulator | None
+    dflt: dict | None
+    outcomes: list[LiveOutcome]
+
+    @property
+    def spent(self) -> bool:
+        return self.plan.budget is not None and len(self.outcomes) >= self.plan.budget
+
+    def rounds(self, active: list[LiveConfig], last: int):
+        """Rounds 1..`last` of `active`, interleaved, skipping the runs already done; from round
+        `repeats` on the verdict after each round, which stops the rounds once decided and drops the
+        configs out of the leader's tie. The last verdict (None where none was reached)."""
+        verdict, plan = None, self.plan
+        for repeat in range(1, last + 1):
+            for cand in active:
+                if any(o.candidate is cand and o.repeat == repeat for o in self.outcomes):
+                    continue
+                if self.spent:
+                    return verdict
+                self._add(cand, repeat)
+            failed = {id(o.candidate) for o in self.outcomes if o.error and o.repeat == 1}
+            active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
+            if repeat < plan.repeats:
+                continue
+            verdict, _, _ = choose([], [o.measurement for o in self.outcomes], list(self.objective.slos), self.dflt,
+                                   plan.looks)
+            if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active:  # more runs mend no doubt
+                break
+            still = {id(c) for c in active if c.params == self.dflt or any(t.params == c.params for t in verdict.tied)}
+            active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
+        return verdict
+
+    def _add(self, cand: LiveConfig, repeat: int) -> None:
+        outcome = _run_once(self.run, cand, repeat, self.space.config(cand.params, self.base), self.workload,
+                            self.objective, self.store, self.study, self.simulator)
+        self.outcomes.append(outcome)
+        _save_config_row(self.store, self.study, cand, [o for o in self.outcomes if o.candidate is cand],
+                         self.objective)
+        if self.on_result:
+            self.on_result(outcome)
 
 
 def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[LiveOutcome]:
