@@ -261,7 +261,7 @@ def _final_table(data, objective: Objective) -> str:
     for c in data.candidates:
         p = c.params
         util = p.get("gpu_memory_utilization")
-        sim = "-" if c.sim is None or not c.sim.ok else f"{c.sim.value:.2f}{unit}"
+        sim = "-" if c.sim is None else "failed" if not c.sim.ok else f"{c.sim.value:.2f}{unit}"
         iv = c.spread.get("value")
         if iv is not None:
             live = f"{iv.mean:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]{unit} ({iv.n})"

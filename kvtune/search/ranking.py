@@ -307,7 +307,7 @@ def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
     --repeats to --max-repeats): each look spends ALPHA / looks. `default_label`: what the reference
     config is called ("the baseline" for an operator's --baseline-args)."""
     sim_done = [t for t in trials if t.ok and t.duplicate_of is None]
-    pair = _pairing(sim_done, live, default_params, slos, default_label)
+    pair = _pairing(trials, live, default_params, slos, default_label)
     default = pair(default_params) if default_params is not None else Candidate(default_label, {}, is_default=True)
     if live:
         verdict, shown = _live_verdict(live, pair, default, slos, sim_done, ALPHA / max(looks, 1))
@@ -347,7 +347,7 @@ def _sim_verdict(sim_done, pair, default, slos):
         return Verdict(None, None, None, kind=FAILED, reasons=["no stage-1 trial completed"]), []
 
     def beyond_tie(a: Candidate, b: Candidate) -> str | None:
-        if a.sim is None or b.sim is None:
+        if a.sim is None or b.sim is None or not (a.sim.ok and b.sim.ok):
             return None
         if a.sim.feasible and not b.sim.feasible:
             return "the other misses the SLOs on the simulator"
@@ -464,10 +464,14 @@ def _doubts(verdict: Verdict, default: Candidate) -> list[str]:
     return seen
 
 
-def _pairing(sim_done: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO],
+def _pairing(trials: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO],
              default_label: str = "the default"):
+    """`pair(params)`: the config's candidate, with its stage-1 trial (the completed one, else the one that
+    failed, so that a config that ran and failed reads failed with its reason) and its live runs."""
+    tried = sorted((t for t in trials if t.duplicate_of is None and not t.surplus), key=lambda t: not t.ok)
+
     def pair(params: dict) -> Candidate:
-        sim = next((t for t in sim_done if t.params == params), None)
+        sim = next((t for t in tried if t.params == params), None)
         runs = sorted((m for m in live if m.params == params), key=lambda m: m.repeat)
         is_default = default_params is not None and params == default_params
         number = sim.number if sim is not None else runs[0].number if runs else None

@@ -101,16 +101,6 @@ def stages(report: ReportData) -> tuple[str, ...]:
     return ("sim", "live") if report.live else ("sim",)
 
 
-def stage_measurement(report: ReportData, c: Candidate, stage: str) -> Measurement | None:
-    """What `stage` measured of the config: the ranking's measurement, else its failed try (the ranking
-    pairs a config only with its completed stage-1 trials: a default that failed there has none)."""
-    m = getattr(c, stage)
-    if m is not None:
-        return m
-    tried = [t for t in (report.trials if stage == "sim" else report.live) if t.params == c.params and not t.surplus]
-    return tried[-1] if tried else None
-
-
 def configs_frame(report: ReportData) -> pd.DataFrame:
     """The compared configs' knobs: one row each, the figures beside them in stages_frame."""
     knobs = report.info.knobs
@@ -124,7 +114,7 @@ def stages_frame(report: ReportData) -> pd.DataFrame:
     rows = []
     for c in report.candidates:
         for stage in stages(report):
-            m = stage_measurement(report, c, stage)
+            m = getattr(c, stage)
             row = {"config": c.label, "stage": stage,
                    "goodput (req/s)": c.figure("goodput_rps", stage),
                    "throughput (req/s)": c.figure("throughput_rps", stage),
@@ -145,7 +135,7 @@ def stage_failures(report: ReportData) -> list[str]:
     out = []
     for c in report.candidates:
         for stage in stages(report):
-            m = stage_measurement(report, c, stage)
+            m = getattr(c, stage)
             if m is not None and not m.ok and not m.surplus:
                 which = f"trial {m.number}" if stage == "sim" else f"run {m.run_id}" if m.run_id else "its run"
                 out.append(f"{MARKS['failed'][0]} **{c.label}** failed on {STAGE_NAMES[stage]} ({which}): "
