@@ -91,6 +91,11 @@ def add_search_command(sub) -> None:
                    help="while the leader and the default still overlap, run up to this many (default: %(default)s)")
     g.add_argument("--live-budget", type=positive_int, metavar="RUNS",
                    help="most live runs in all, the default's included (default: no cap)")
+    g.add_argument("--ray", metavar="ADDRESS",
+                   help="run stage 2 on a Ray cluster, one round of every config per slot (the GPUs of "
+                        "--tensor-parallel-size on one node), as many rounds at once as it has slots: auto "
+                        "joins the cluster running here, local starts one in this process, HOST:PORT is its "
+                        "head (needs pip install 'kvtune[ray]'; docs/cluster.md)")
     add_server_flags(p)
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
@@ -116,6 +121,8 @@ def cmd_search(args) -> int:
     finally:
         for live in live_targets:
             live.close()
+            if hasattr(live, "pool"):  # the Ray connection (and a cluster --ray local started) ends here
+                live.pool.close()
 
 
 def _search(args, live_targets: list) -> int:
@@ -157,6 +164,12 @@ def _search(args, live_targets: list) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     live = _live_target(args) if args.target != "none" else None
+    if args.ray:
+        try:
+            live = _on_ray(args, live)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     live_targets += [live] if live is not None else []
     request = SearchRequest(
         workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
@@ -237,6 +250,20 @@ def _live_target(args):
     if args.target != "engine":
         preset, device = args.preset, args.device
     return live_target(args.target, args, preset, device)
+
+
+def _on_ray(args, live):
+    """`live` with its servers started on the Ray cluster --ray names (cluster.target.RayTarget); a
+    ValueError says why not, before anything is written."""
+    if live is None or not hasattr(live, "check"):
+        raise ValueError(f"--ray {args.ray}: the cluster runs the servers kvtune starts; --target "
+                         f"{args.target} has none")
+    from ..cluster.pool import PoolError, connect
+    from ..cluster.target import RayTarget
+    try:
+        return RayTarget(live, connect(args.ray, args.tensor_parallel_size))
+    except PoolError as err:
+        raise ValueError(str(err)) from None
 
 
 def _explicit_knobs(space: SearchSpace, optional: tuple[str, ...]) -> set[str]:

@@ -209,8 +209,12 @@ def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, stud
         trial = stage1.run_more(params, winner)
         return trial.number if trial is not None else None
 
+    pool = live if hasattr(live, "run_rounds") else None  # cluster.target.RayTarget: rounds in parallel
+    if pool is not None:
+        say(f"stage 2 on {pool.pool.describe}")
     run_stage2(live.run, candidates, space, base, live_workload, req.objective, store, req.study, plan,
-               on_result=on_live, simulator=Simulator.of(sim, live_workload, req.profile), number_of=number_of)
+               on_result=on_live, simulator=Simulator.of(sim, live_workload, req.profile), number_of=number_of,
+               pool=pool)
     for note in plan.notes:
         say(f"note: {note}")
 

@@ -207,7 +207,7 @@ def representable(space: SearchSpace, params: dict) -> bool:
 def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
                on_result=None, simulator: Simulator | None = None,
-               number_of: Callable[[dict, int], int | None] | None = None) -> list[LiveOutcome]:
+               number_of: Callable[[dict, int], int | None] | None = None, pool=None) -> list[LiveOutcome]:
     """The race, then the descent: once a config is shown `better`, its steps back towards the
     default on a knob of discrete values (`space.steps_toward`, the smallest change first) enter one
     at a time, `repeats` runs each, and the one ranking judges again; a step it recommends is the new
@@ -216,12 +216,15 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
     there is no descent.
     Each run's diagnoses are stored with it, their fixes first tried on `simulator`. A resumed search
     continues where the stored runs of `study` stop: a config's completed runs count as its first
-    repeats and against the budget, as if the search had not been interrupted."""
+    repeats and against the budget, as if the search had not been interrupted.
+    `pool`: a cluster.target.RayTarget, whose cluster's slots run up to `pool.size` rounds at once
+    (`_Race.waves`); None: one run after another, here."""
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
     stored = [m for m in live_runs(store, study, objective.slos) if m.ok]
     race = _Race(run, space, base, workload, objective, store, study, plan, on_result, simulator,
-                 next((c.params for c in candidates if c.label == "default"), None), _resumed(candidates, stored))
+                 next((c.params for c in candidates if c.label == "default"), None), _resumed(candidates, stored),
+                 pool)
     verdict, tried = race.rounds(candidates, plan.max_repeats), [c.params for c in candidates]
     while number_of is not None and verdict is not None and verdict.kind == BETTER and not race.spent:
         step = next((p for p in space.steps_toward(verdict.recommended.params, race.dflt) if p not in tried), None)
@@ -255,6 +258,7 @@ class _Race:
     simulator: Simulator | None
     dflt: dict | None
     outcomes: list[LiveOutcome]
+    pool: object = None  # cluster.target.RayTarget: rounds in waves, one slot each
 
     @property
     def spent(self) -> bool:
@@ -264,6 +268,8 @@ class _Race:
         """Rounds 1..`last` of `active`, interleaved, skipping the runs already done; from round
         `repeats` on the verdict after each round, which stops the rounds once decided and drops the
         configs out of the leader's tie. The last verdict (None where none was reached)."""
+        if self.pool is not None:
+            return self.waves(active, last)
         verdict, plan = None, self.plan
         for repeat in range(1, last + 1):
             for cand in active:
@@ -284,9 +290,61 @@ class _Race:
             active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
         return verdict
 
+    def waves(self, active: list[LiveConfig], last: int):
+        """`rounds` on a cluster: up to `pool.size` rounds at once (a wave), each a Ray task that runs
+        its configs in order on one slot (the slot is a block: every config meets it once per round).
+        Every run's row is started before the wave is submitted, so an interrupted wave leaves failed
+        rows; the verdict is taken after each wave that reaches round `repeats`."""
+        verdict, plan, repeat = None, self.plan, 1
+        while repeat <= last:
+            wave, room = [], None if plan.budget is None else plan.budget - len(self.outcomes)
+            for r in range(repeat, min(repeat + self.pool.size, last + 1)):
+                todo = [c for c in active if not any(o.candidate is c and o.repeat == r for o in self.outcomes)]
+                todo = todo if room is None else todo[:max(room, 0)]
+                room = None if room is None else room - len(todo)
+                if todo:
+                    wave.append([_started(cand, r, self.store, self.study) for cand in todo])
+            repeat = min(repeat + self.pool.size, last + 1)
+            if wave:
+                self._run_wave(wave)
+            elif self.spent:
+                return verdict
+            failed = {id(o.candidate) for o in self.outcomes if o.error and o.repeat == 1}
+            active = [c for c in active if id(c) not in failed]
+            if repeat - 1 < plan.repeats:
+                continue
+            verdict, _, _ = choose([], [o.measurement for o in self.outcomes], list(self.objective.slos), self.dflt,
+                                   plan.looks)
+            if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active or self.spent:
+                break
+            still = {id(c) for c in active if c.params == self.dflt or any(t.params == c.params for t in verdict.tied)}
+            active = [c for c in active if id(c) in still]
+        return verdict
+
+    def _run_wave(self, wave: list[list[LiveOutcome]]) -> None:
+        def on_round(i: int, runs, error: str | None) -> None:
+            for outcome, run in zip(wave[i], runs or [None] * len(wave[i])):
+                if error is not None or run.error is not None:
+                    _failed(outcome, error or run.error, self.store)
+                else:
+                    _finished(outcome, run.values, run.score, run.result, self.objective, self.store, self.study,
+                              self.simulator)
+                self._record(outcome)
+
+        configs = [[self.space.config(o.candidate.params, self.base) for o in rnd] for rnd in wave]
+        try:
+            self.pool.run_rounds(self.objective, configs, self.workload, on_round)
+        except BaseException as err:  # a signal, Ctrl-C: the unfinished rows say so, and a resume runs them
+            for outcome in (o for rnd in wave for o in rnd if o.measurement is None):
+                self.store.mark_run(outcome.run_id, "failed", failure_reason(err))
+            raise
+
     def _add(self, cand: LiveConfig, repeat: int) -> None:
-        outcome = _run_once(self.run, cand, repeat, self.space.config(cand.params, self.base), self.workload,
-                            self.objective, self.store, self.study, self.simulator)
+        self._record(_run_once(self.run, cand, repeat, self.space.config(cand.params, self.base), self.workload,
+                               self.objective, self.store, self.study, self.simulator))
+
+    def _record(self, outcome: LiveOutcome) -> None:
+        cand = outcome.candidate
         self.outcomes.append(outcome)
         _save_config_row(self.store, self.study, cand, [o for o in self.outcomes if o.candidate is cand],
                          self.objective)
@@ -309,26 +367,48 @@ def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[Li
 
 def _run_once(run, cand: LiveConfig, repeat: int, config: EngineConfig, workload, objective: Objective,
               store: Store, study: str, simulator: Simulator | None) -> LiveOutcome:
-    outcome = LiveOutcome(cand, repeat)
-    label = f"{LIVE_LABEL} {cand.label} #{repeat}"
-    # a row from the start: an interrupted run stays in the study as a failed one, with why
-    outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=label,
-                                     study=study, trial=cand.number)
+    outcome = _started(cand, repeat, store, study)
     try:
-        outcome.values, outcome.score, result = objective.evaluate(run, config, workload)
+        values, sc, result = objective.evaluate(run, config, workload)
     except (TargetStartError, TargetRunError) as err:
-        outcome.error = str(err)
-        store.mark_run(outcome.run_id, "failed", outcome.error)
-        outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
-                                          reason=outcome.error, repeat=repeat)
-        return outcome
+        return _failed(outcome, str(err), store)
     except BaseException as err:  # a signal, Ctrl-C: the row says so, and a resume runs it again
         store.mark_run(outcome.run_id, "failed", failure_reason(err))
         raise
-    result.summary["score"] = outcome.score.as_dict() | {"values": outcome.values}
-    result.summary["doubts"] = run_doubts(result, outcome.score)
-    result.summary["repeat"] = repeat
-    store.save_run(result, study=study, trial=cand.number, label=label, run_id=outcome.run_id)
+    return _finished(outcome, values, sc, result, objective, store, study, simulator)
+
+
+def _label(outcome: LiveOutcome) -> str:
+    return f"{LIVE_LABEL} {outcome.candidate.label} #{outcome.repeat}"
+
+
+def _started(cand: LiveConfig, repeat: int, store: Store, study: str) -> LiveOutcome:
+    """A run's outcome with its row: from the start, so an interrupted run stays in the study as a
+    failed one, with why."""
+    outcome = LiveOutcome(cand, repeat)
+    outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=_label(outcome),
+                                     study=study, trial=cand.number)
+    return outcome
+
+
+def _failed(outcome: LiveOutcome, error: str, store: Store) -> LiveOutcome:
+    cand = outcome.candidate
+    outcome.error = error
+    store.mark_run(outcome.run_id, "failed", error)
+    outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
+                                      reason=error, repeat=outcome.repeat)
+    return outcome
+
+
+def _finished(outcome: LiveOutcome, values, sc: Score, result, objective: Objective, store: Store, study: str,
+              simulator: Simulator | None) -> LiveOutcome:
+    """A completed run stored with its scores, doubts and diagnoses."""
+    cand = outcome.candidate
+    outcome.values, outcome.score = values, sc
+    result.summary["score"] = sc.as_dict() | {"values": values}
+    result.summary["doubts"] = run_doubts(result, sc)
+    result.summary["repeat"] = outcome.repeat
+    store.save_run(result, study=study, trial=cand.number, label=_label(outcome), run_id=outcome.run_id)
     thresholds = diagnosis_thresholds(list(objective.slos))
     store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, simulator, objective.slos))
     outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)

@@ -1,0 +1,147 @@
+"""The driver's side of a Ray cluster: connect (`connect`), run rounds of stage 2 as Ray tasks, one
+slot each, as many at once as the cluster has slots (`RayPool.run_rounds`), and cancel them.
+
+A slot is what one live run needs: `gpus_per_run` GPUs (the config's tensor-parallel size), or one
+CPU on a cluster without GPUs. Each round is one task (`rounds.run_round`) so that a round's configs
+share a node and its GPUs. Ray retries nothing: a task lost with its node fails its round's runs
+with the reason Ray gives, and the stage goes on. On Ctrl-C (any exception while waiting) every
+pending task is cancelled with force, and the `guard` of each ends the servers it started.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+WAIT_S = 0.5  # ray.wait's slice: a Ctrl-C is handled between slices
+CANCEL_WAIT_S = 10.0  # how long a cancelled task may take to end before kvtune goes on exiting
+CONNECT_TIMEOUT_S = 3.0
+
+
+class PoolError(Exception):
+    """No cluster to run on (`--ray` names no reachable one, or Ray is not installed): exit code 2."""
+
+
+@dataclass
+class RayPool:
+    address: str
+    size: int  # rounds that can run at once
+    gpus_per_run: int  # 0: the cluster has no GPUs, a run takes one CPU
+    started_here: bool = False  # `--ray local`: the cluster ends with this process
+
+    @property
+    def describe(self) -> str:
+        per = f"{self.gpus_per_run} GPU(s)" if self.gpus_per_run else "1 CPU (the cluster has no GPUs)"
+        return f"Ray cluster {self.address}: {self.size} slot(s) of {per}, each running one round at a time"
+
+    def _options(self) -> dict:
+        # no retries: a round run again elsewhere would mix two slots in one block
+        resources = {"num_gpus": self.gpus_per_run} if self.gpus_per_run else {"num_cpus": 1}
+        return resources | {"max_retries": 0, "retry_exceptions": False}
+
+    def check(self, target, config) -> tuple[dict | None, str | None]:
+        """`rounds.check` in a task: the live target's first start, on a slot of the cluster."""
+        import ray
+
+        from . import rounds
+
+        ref = ray.remote(rounds.check).options(**self._options()).remote(target, config)
+        return self._wait({ref: 0}, lambda _i, value, error: None, keep=True)[0]
+
+    def run_rounds(self, target, objective, rounds_: list[list], workload,
+                   on_round: Callable[[int, list | None, str | None], None]) -> None:
+        """Each of `rounds_` (a list of configs) as one task; `on_round(i, runs, None)` as round i
+        ends, `on_round(i, None, reason)` where its task failed as a whole."""
+        import ray
+
+        from . import rounds
+
+        remote = ray.remote(rounds.run_round).options(**self._options())
+        refs = {remote.remote(target, objective, configs, workload): i for i, configs in enumerate(rounds_)}
+        self._wait(refs, on_round)
+
+    def _wait(self, refs: dict, on_done, keep: bool = False) -> dict:
+        import ray
+        from ray.exceptions import RayError
+
+        kept = {}
+        try:
+            while refs:
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
+                for ref in ready:
+                    i = refs.pop(ref)
+                    try:
+                        value = ray.get(ref)
+                    except RayError as err:
+                        on_done(i, None, task_failure(err))
+                        kept[i] = (None, task_failure(err))
+                        continue
+                    on_done(i, value, None)
+                    if keep:
+                        kept[i] = value
+        except BaseException:
+            self.cancel(list(refs))
+            raise
+        return kept
+
+    def cancel(self, refs: list) -> None:
+        """Force-cancel `refs` and wait a while for them to end (their guards end their servers)."""
+        import ray
+
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+def task_failure(err: BaseException) -> str:
+    """A failed task's reason in a line or two: Ray's own message starts with the traceback's header."""
+    text = str(err).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    name = type(err).__name__
+    return f"the Ray task failed ({name}): " + " ".join(lines[-2:] if len(lines) > 2 else lines)[:500]
+
+
+def connect(address: str, gpus_per_run: int) -> RayPool:
+    """The cluster `--ray` names: `auto` (the one running here), `local` (a new one in this process)
+    or HOST:PORT of its head; a PoolError says why not."""
+    try:
+        import ray
+    except ImportError:
+        raise PoolError("--ray needs Ray, which is not installed: pip install 'kvtune[ray]'") from None
+    if address not in ("auto", "local"):
+        _reachable(address)
+    try:
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise PoolError(f"--ray {address}: no Ray cluster to join ({str(err).splitlines()[0][:200]})") from None
+    resources = ray.cluster_resources()
+    gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    per_run = gpus_per_run if gpus else 0
+    size = gpus // per_run if per_run else cpus
+    if size < 1:
+        ray.shutdown()
+        raise PoolError(f"--ray {address}: the cluster has {gpus} GPU(s) and {cpus} CPU(s), too few for one run "
+                        f"of {gpus_per_run} GPU(s)")
+    return RayPool(address, size, per_run, started_here=address == "local")
+
+
+def _reachable(address: str) -> None:
+    """A head answers at HOST:PORT: ray.init would wait minutes for one that does not."""
+    host, _, port = address.rpartition(":")
+    host = host.removeprefix("ray://")
+    if not host or not port.isdigit():
+        raise PoolError(f"--ray {address}: expected auto, local or HOST:PORT of the cluster's head")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise PoolError(f"--ray {address}: no Ray cluster answers there ({err.strerror or err})") from None
