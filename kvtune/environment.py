@@ -78,6 +78,15 @@ def _os_release() -> str | None:
     return None
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them ("avx512f", "amx_tile"); empty where unread."""
+    for line in (_read("/proc/cpuinfo") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
 def _cpu_model() -> str | None:
     for line in (_read("/proc/cpuinfo") or "").splitlines():
         key, _, value = line.partition(":")

@@ -98,6 +98,19 @@ def test_the_rules_say_what_cpu_vllm_takes_and_what_sizes_its_pool():
     assert stored.block_sizes == tuple(CPU_BLOCK_SIZES)
 
 
+@pytest.mark.parametrize("flags, fp8", [({"avx2"}, False), ({"avx2", "avx512f"}, True), ({"amx_tile"}, True),
+                                        (None, True)])
+def test_cpu_vllm_takes_fp8_kv_only_on_a_host_with_avx512_or_amx(flags, fp8):
+    """vLLM's CPU attention stops a start with fp8 K/V on a host with neither (cpu_attn._get_attn_isa):
+    the search must not propose it there, and a baseline asking for it is refused before any start."""
+    rules = vllm_rules("cpu", None, flags)
+    assert ("fp8" in rules.kv_cache_dtypes) == fp8 and "auto" in rules.kv_cache_dtypes
+    refusal = rules.refuses("--kv-cache-dtype", "fp8")
+    assert (refusal is None) == fp8
+    if not fp8:
+        assert "--kv-cache-dtype fp8" in refusal and "AVX-512 or AMX" in refusal
+
+
 # -- defect 2: a printed fix that stops vLLM from starting ---------------------------------------------
 
 def test_under_an_override_the_pool_fix_is_the_override_and_it_is_tried():

@@ -14,7 +14,9 @@ proposed fix ask these rules instead of assuming GPU vLLM's. The facts:
 - What sizes the pool, first one set wins (vLLM's order): --num-gpu-blocks-override (a block count,
   whatever the bytes per block), --kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE (CPU), then
   gpu_memory_utilization. vLLM 0.32's CPU build reads VLLM_CPU_KVCACHE_SPACE with int(): "1.5" stops it
-  at start (`invalid literal for int() with base 10: '1.5'`), and 0 leaves no pool.
+  at start (`invalid literal for int() with base 10: '1.5'`), and 0 leaves no pool. Its fp8 K/V
+  needs a host CPU with AVX-512 or AMX (vllm/v1/attention/backends/cpu_attn.py: `_get_attn_isa` stops
+  the start with "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"): elsewhere it takes auto only.
 
 Every fix `kvtune diagnose` prints asks `refuses`, `taken` and `moves_pool` here first.
 """
@@ -188,12 +190,16 @@ class TargetRules:
         """The environment that must go with the launch command to reproduce the pool."""
         return dict(self.pool_env)
 
-def vllm_rules(platform: str, env: dict | None = None) -> TargetRules:
-    """GPU or CPU vLLM; `env` is the server's environment (VLLM_CPU_KVCACHE_SPACE). Any other platform
-    (a run that never said which) takes every block size any of them takes."""
+def vllm_rules(platform: str, env: dict | None = None, cpu_flags: set[str] | None = None) -> TargetRules:
+    """GPU or CPU vLLM; `env` is the server's environment (VLLM_CPU_KVCACHE_SPACE); `cpu_flags`, a CPU
+    server's host's (`environment.cpu_flags`), where known. Any other platform (a run that never said
+    which) takes every block size any of them takes."""
     if platform == "cpu":
         space = (env or {}).get(CPU_KV_SPACE_ENV)
-        return TargetRules("vLLM (CPU build)", (32, 64, 128, 256), 128, max_num_seqs=128,
+        fp8 = cpu_flags is None or bool({"avx512f", "amx_tile"} & cpu_flags)
+        return TargetRules("vLLM (CPU build)" if fp8 else "vLLM (CPU build, on a host without AVX-512 or AMX)",
+                           (32, 64, 128, 256), 128, max_num_seqs=128,
+                           kv_cache_dtypes=VLLM_DTYPES if fp8 else ("auto",),
                            pool_env={CPU_KV_SPACE_ENV: space} if space else {},
                            utilization_sizes_pool=not space)
     if platform != "cuda":

@@ -17,6 +17,7 @@ from pathlib import Path
 from kvengine.config import ConfigError, EngineConfig, device_preset, model_preset
 from kvengine.entrypoints.flags import launch_flags
 
+from ..environment import cpu_flags
 from ..results import Launch, RunResult
 from ..scrape import reported_config
 from ..workload import Workload
@@ -221,7 +222,9 @@ class VllmTarget(_ServerTarget):
 
     @property
     def rules(self) -> TargetRules:
-        return vllm_rules(self.resolved_platform, self.env).with_server_args(self.extra_args)
+        platform = self.resolved_platform
+        flags = cpu_flags() if platform == "cpu" else None  # the server kvtune starts runs on this host
+        return vllm_rules(platform, self.env, flags).with_server_args(self.extra_args)
 
     @property
     def module_form(self) -> bool:
