@@ -73,7 +73,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 test: $(STAMP) $(VLLM_STAMP) promtool postgres chromium docs
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 DEMO_TRACE   := kvtune/data/demo_pressure.jsonl
 DEMO_STUDY   := demo-$(shell date +%Y%m%d-%H%M%S)

@@ -18,3 +18,41 @@ def ui_database(tmp_path_factory):
         return seed_database(tmp_path_factory.mktemp("ui"), server.url)
     finally:
         server.stop()
+
+
+# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile). The
+# files holding the longest tests go first, so that no worker is left alone with one at the end; a
+# wrong guess here costs only time.
+LONGEST_FIRST = ("test_vllm_real.py", "test_calibrate.py", "test_vllm_sizing.py", "test_fix_validity.py",
+                 "test_search.py", "test_live_targets.py", "test_prometheus_real.py",
+                 "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_ui.py", "test_server_hostile.py",
+                 "test_signals.py", "test_vllm_differential.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
+@pytest.fixture(autouse=True)
+def host_share(request, tmp_path_factory):
+    """A test marked `serial` times the host (a real-time calibration): under pytest-xdist it takes
+    the host alone, the other worker's next test waiting until it ends; every other test shares it.
+    A readers-writer lock of two flock()ed files: the turnstile keeps a waiting serial test from
+    being passed by the other worker's next tests. Without xdist, tests run one at a time anyway."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    import fcntl
+    serial = request.node.get_closest_marker("serial") is not None
+    base = str(tmp_path_factory.getbasetemp().parent / "kvtune-tests")  # the run's folder, both workers'
+    with open(base + ".turnstile", "a") as turnstile, open(base + ".host", "a") as host:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(host, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
+        if not serial:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(host, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
