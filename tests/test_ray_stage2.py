@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtu
 from kvengine.config import EngineConfig  # noqa: E402
 from kvtune.cluster.pool import connect  # noqa: E402
 from kvtune.cluster.target import RayTarget  # noqa: E402
+from kvtune.report.sections import slots_blocks  # noqa: E402
 from kvtune.search.live_runs import live_runs  # noqa: E402
 from kvtune.search.objective import Objective  # noqa: E402
 from kvtune.search.ranking import choose  # noqa: E402
@@ -159,6 +160,8 @@ def test_two_slots_run_rounds_at_once_each_on_one_slot_and_agree_with_the_serial
     spans = {r: [(slots[o.run_id]["started"], slots[o.run_id]["ended"]) for o in done if o.repeat == r] for r in (1, 2)}
     first, second = (min(s for s, _ in spans[r]) for r in (1, 2)), (max(e for _, e in spans[r]) for r in (1, 2))
     assert max(first) < min(second), spans  # the two rounds ran at the same time
+    shown = " ".join(getattr(b, "text", "") for b in slots_blocks(live_runs(Store(db), "par", ())))
+    assert "on 2 slot(s) of a Ray cluster" in shown  # the report names the slots and says how it tests them
 
     # a resume reruns nothing that finished (a failed run is no repeat: it would run again, as serially)
     again = _race(db, "par", [DEFAULT, WIDE], pool.run, pool=pool)

@@ -41,7 +41,31 @@ def stages_section(data: ReportData) -> list[Block]:
     numeric = [False] + [True] * (len(header) - 1 - len(stages) - bool(data.live)) + [False] * (len(stages) + bool(data.live))
     kinds = [row_kind(c.measured) for c in data.candidates]
     return [Heading("2. Stage 1 (simulator) vs stage 2 (live runs)"), Paragraph(intro),
-            Table(header, rows, row_kinds=kinds, numeric=numeric)]
+            Table(header, rows, row_kinds=kinds, numeric=numeric)] + slots_blocks(data.live)
+
+
+def slots_blocks(live: list[Measurement]) -> list[Block]:
+    """The Ray slots stage 2 ran on (`kvtune search --ray`), and whether one was slower than the others
+    beyond the spread (cluster.slots.slot_check states the test); nothing for a search without --ray."""
+    from ..cluster.slots import ALPHA, slot_check
+
+    runs = [(m.slot, m.number, m.value) for m in live if m.ok and m.slot and m.value is not None]
+    if not runs:
+        return []
+    rows = slot_check(runs)
+    slower = [r.slot.label for r in rows if r.slower]
+    text = (f"Stage 2 ran on {len(rows)} slot(s) of a Ray cluster, each round of every config on one slot, so a "
+            "slot is a block: it meets every config alike. Each run's value is divided by its config's mean over "
+            "all its runs, and each slot's ratios are compared with the other slots' by a one-sided Welch t-test, "
+            f"Holm-corrected over the slots at {ALPHA:g}. "
+            + (f"Slower than the others beyond the spread: {', '.join(slower)}." if slower else
+               "No slot was slower than the others beyond the spread."))
+    table = [[r.slot.label, str(r.runs), str(r.configs),
+              "-" if r.ratio is None else f"{r.ratio.mean:.3f}" + (f" [{r.ratio.lo:.3f}, {r.ratio.hi:.3f}]"
+                                                                     if r.ratio.n > 1 else ""),
+              "-" if r.p is None else f"{r.p:.3f}", "yes" if r.slower else "no"] for r in rows]
+    return [Paragraph(text), Table(["slot", "runs", "configs", "value / config mean", "p (slower)", "slower"],
+                                   table, numeric=[False, True, True, True, True, False])]
 
 
 def _stage_row(c: Candidate, knobs: list[str], stages: tuple[str, ...]) -> list[str]:

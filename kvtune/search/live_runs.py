@@ -49,4 +49,5 @@ def live_measurement(number: int, params: dict, run_id: int, result: RunResult) 
         throughput_rps=sc.get("throughput_rps"), observed=dict(sc.get("observed") or {}),
         summary={k: summary.get(k) for k in SUMMARY_MEANS},
         target=result.target, measured_on=measured_on(result.target, result.device, result.config),
-        repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []))
+        repeat=int(summary.get("repeat") or 1), doubts=list(summary.get("doubts") or []),
+        slot=summary.get("slot"))

@@ -77,6 +77,7 @@ class Measurement:
     measured_on: str | None = None  # in words: "the simulator", "vLLM 0.32.0 (cpu)", ...
     repeat: int = 1  # which run of this config (live)
     doubts: list[str] = field(default_factory=list)  # why this run's figures may not be trusted
+    slot: dict | None = None  # live on a Ray cluster: the node and GPUs it ran on (cluster.slots.Slot)
 
     @property
     def ok(self) -> bool:
