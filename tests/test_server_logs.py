@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtune.environment import cpu_flags
 from kvtune.store import Store
 from kvtune.targets.process import new_log
+from kvtune.targets.rules import vllm_rules
 from kvtune.workload import TraceRequest, Workload, write_workload
 from test_live_targets import kvtune, small_workload
 from vllmserver import vllm_command
@@ -85,7 +87,8 @@ def test_processes_sharing_a_log_folder_never_share_a_log(tmp_path):
 
 
 BLOCK_16 = "vLLM (CPU build) does not take --block-size 16; it takes 32, 64, 128, 256 (default 128)"
-INT8 = "--quantized-kv int8: vLLM (CPU build) has no --kv-cache-dtype int8; it takes auto, fp8, fp8_e4m3, fp8_e5m2"
+# the dtypes this host's CPU vLLM takes: fp8 only with AVX-512 or AMX (test_fix_validity checks which)
+INT8 = ("--quantized-kv int8: " + vllm_rules("cpu", None, cpu_flags()).refuses("--kv-cache-dtype", "int8"))
 
 
 @pytest.mark.parametrize("command,flags,message", [

@@ -54,6 +54,7 @@ class TargetRules:
     block_sizes: tuple[int, ...]
     block_size: int  # the server's default
     kv_cache_dtypes: tuple[str, ...] = VLLM_DTYPES
+    kv_cache_dtypes_why: str = ""  # why the list is short, where this host narrows it
     max_num_seqs: int | None = None  # the server's default; None: the engine's per-device one
     pool_env: dict = field(default_factory=dict)  # environment that sizes the KV pool
     utilization_sizes_pool: bool = True  # False: gpu_memory_utilization does nothing here
@@ -104,7 +105,9 @@ class TargetRules:
                         f"{', '.join(map(str, self.block_sizes))}")
         elif flag == "--kv-cache-dtype":
             if value not in self.kv_cache_dtypes:
-                return f"{self.server} has no --kv-cache-dtype {value}; it takes {', '.join(self.kv_cache_dtypes)}"
+                why = f" ({self.kv_cache_dtypes_why})" if self.kv_cache_dtypes_why else ""
+                return (f"{self.server} has no --kv-cache-dtype {value}; it takes "
+                        f"{', '.join(self.kv_cache_dtypes)}{why}")
         elif flag == UTILIZATION:
             number = as_number(value)
             if number is None or not 0 < number <= 1:
@@ -197,9 +200,9 @@ def vllm_rules(platform: str, env: dict | None = None, cpu_flags: set[str] | Non
     if platform == "cpu":
         space = (env or {}).get(CPU_KV_SPACE_ENV)
         fp8 = cpu_flags is None or bool({"avx512f", "amx_tile"} & cpu_flags)
-        return TargetRules("vLLM (CPU build)" if fp8 else "vLLM (CPU build, on a host without AVX-512 or AMX)",
-                           (32, 64, 128, 256), 128, max_num_seqs=128,
+        return TargetRules("vLLM (CPU build)", (32, 64, 128, 256), 128, max_num_seqs=128,
                            kv_cache_dtypes=VLLM_DTYPES if fp8 else ("auto",),
+                           kv_cache_dtypes_why="" if fp8 else "its fp8 K/V needs a host CPU with AVX-512 or AMX",
                            pool_env={CPU_KV_SPACE_ENV: space} if space else {},
                            utilization_sizes_pool=not space)
     if platform != "cuda":
