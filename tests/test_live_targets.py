@@ -180,9 +180,18 @@ def test_server_answering_500s_fails_the_run():
         httpd.shutdown()
 
 
-def _engine_server_pids() -> set[bytes]:
-    found = subprocess.run(["pgrep", "-f", "kvengine serve --host 127.0.0.1 --port"], capture_output=True)
-    return set(found.stdout.split())
+def _engine_server_pids() -> set[int]:
+    """The kvengine servers this test process started (not another test worker's)."""
+    import psutil
+    found = set()
+    for kid in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(kid.cmdline())
+        except psutil.Error:  # it ended meanwhile
+            continue
+        if "kvengine serve --host 127.0.0.1 --port" in cmd:
+            found.add(kid.pid)
+    return found
 
 
 def test_engine_target_stops_its_server():

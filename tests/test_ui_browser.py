@@ -351,8 +351,15 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
             scrapes = int(found.group(1)) if found else 0
         assert scrapes >= 3, body
         # Stop first: every rerun redraws the chart, and a screenshot mid-redraw shows it blank.
-        click(browser, "Stop")
-        wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes")
+        for attempt in range(3):  # a click that lands while a rerun replaces the page is lost: click again
+            if any(b.text.strip() == "Stop" for b in browser.find_elements(By.CSS_SELECTOR, "button")):
+                click(browser, "Stop")
+            try:
+                wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes", timeout_s=10 * (attempt + 1))
+                break
+            except AssertionError:
+                if attempt == 2:
+                    raise
         wait_for_page(browser, "Live")
         shot = tmp_path / "live-watching.png"
         browser.save_screenshot(str(shot))
