@@ -24,6 +24,7 @@ def ui_database(tmp_path_factory):
 # files holding the longest tests go first, so that no worker is left alone with one at the end; a
 # wrong guess here costs only time.
 LONGEST_FIRST = ("test_vllm_real.py", "test_calibrate.py", "test_vllm_sizing.py", "test_fix_validity.py",
+                 "test_ray_stage2.py",
                  "test_search.py", "test_live_targets.py", "test_prometheus_real.py",
                  "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_ui.py", "test_server_hostile.py",
                  "test_signals.py", "test_vllm_differential.py")
