@@ -218,7 +218,7 @@ def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: Engi
     continues where the stored runs of `study` stop: a config's completed runs count as its first
     repeats and against the budget, as if the search had not been interrupted.
     `pool`: a cluster.target.RayTarget, whose cluster's slots run up to `pool.size` rounds at once
-    (`_Race.waves`); None: one run after another, here."""
+    (`_Race.rounds`); None: one run after another, here."""
     plan = plan or LivePlan()
     candidates = plan.fit(candidates)
     stored = [m for m in live_runs(store, study, objective.slos) if m.ok]
@@ -265,65 +265,59 @@ class _Race:
         return self.plan.budget is not None and len(self.outcomes) >= self.plan.budget
 
     def rounds(self, active: list[LiveConfig], last: int):
-        """Rounds 1..`last` of `active`, interleaved, skipping the runs already done; from round
-        `repeats` on the verdict after each round, which stops the rounds once decided and drops the
-        configs out of the leader's tie. The last verdict (None where none was reached)."""
-        if self.pool is not None:
-            return self.waves(active, last)
+        """Rounds 1..`last` of `active`, interleaved, skipping the runs already done, a wave of rounds at
+        a time (one round here; on a cluster `pool.size` rounds at once, each a Ray task running its
+        configs in order on one slot, so that the slot is a block: every config meets it once per
+        round). From round `repeats` on the verdict after each wave, which stops the rounds once decided
+        and drops the configs out of the leader's tie. The last verdict (None where none was reached)."""
         verdict, plan = None, self.plan
-        for repeat in range(1, last + 1):
-            for cand in active:
-                if any(o.candidate is cand and o.repeat == repeat for o in self.outcomes):
-                    continue
-                if self.spent:
-                    return verdict
-                self._add(cand, repeat)
+        width = self.pool.size if self.pool is not None else 1
+        for first in range(1, last + 1, width):
+            numbers = range(first, min(first + width, last + 1))
+            wave = self._within_budget([[c for c in active if not self._ran(c, r)] for r in numbers])
+            if not any(wave) and self.spent:
+                return verdict
+            self._run_wave(wave, first)
             failed = {id(o.candidate) for o in self.outcomes if o.error and o.repeat == 1}
             active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
-            if repeat < plan.repeats:
-                continue
-            verdict, _, _ = choose([], [o.measurement for o in self.outcomes], list(self.objective.slos), self.dflt,
-                                   plan.looks)
-            if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active:  # more runs mend no doubt
-                break
-            still = {id(c) for c in active if c.params == self.dflt or any(t.params == c.params for t in verdict.tied)}
-            active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
-        return verdict
-
-    def waves(self, active: list[LiveConfig], last: int):
-        """`rounds` on a cluster: up to `pool.size` rounds at once (a wave), each a Ray task that runs
-        its configs in order on one slot (the slot is a block: every config meets it once per round).
-        Every run's row is started before the wave is submitted, so an interrupted wave leaves failed
-        rows; the verdict is taken after each wave that reaches round `repeats`."""
-        verdict, plan, repeat = None, self.plan, 1
-        while repeat <= last:
-            wave, room = [], None if plan.budget is None else plan.budget - len(self.outcomes)
-            for r in range(repeat, min(repeat + self.pool.size, last + 1)):
-                todo = [c for c in active if not any(o.candidate is c and o.repeat == r for o in self.outcomes)]
-                todo = todo if room is None else todo[:max(room, 0)]
-                room = None if room is None else room - len(todo)
-                if todo:
-                    wave.append([_started(cand, r, self.store, self.study) for cand in todo])
-            repeat = min(repeat + self.pool.size, last + 1)
-            if wave:
-                self._run_wave(wave)
-            elif self.spent:
-                return verdict
-            failed = {id(o.candidate) for o in self.outcomes if o.error and o.repeat == 1}
-            active = [c for c in active if id(c) not in failed]
-            if repeat - 1 < plan.repeats:
+            if numbers[-1] < plan.repeats:
                 continue
             verdict, _, _ = choose([], [o.measurement for o in self.outcomes], list(self.objective.slos), self.dflt,
                                    plan.looks)
             if verdict.kind in (BETTER, INFEASIBLE, FAILED, INCONCLUSIVE) or not active or self.spent:
-                break
+                break  # more runs mend no doubt
             still = {id(c) for c in active if c.params == self.dflt or any(t.params == c.params for t in verdict.tied)}
-            active = [c for c in active if id(c) in still]
+            active = [c for c in active if id(c) in still]  # configs out of the tie cannot win any more
         return verdict
 
-    def _run_wave(self, wave: list[list[LiveOutcome]]) -> None:
+    def _ran(self, cand: LiveConfig, repeat: int) -> bool:
+        return any(o.candidate is cand and o.repeat == repeat for o in self.outcomes)
+
+    def _within_budget(self, wave: list[list[LiveConfig]]) -> list[list[LiveConfig]]:
+        """The wave's runs, in order, as far as the live budget goes."""
+        room = None if self.plan.budget is None else max(self.plan.budget - len(self.outcomes), 0)
+        if room is None:
+            return wave
+        kept = []
+        for rnd in wave:
+            kept.append(rnd[:room])
+            room -= len(kept[-1])
+        return kept
+
+    def _run_wave(self, wave: list[list[LiveConfig]], first: int) -> None:
+        """Round `first + i` of the wave is `wave[i]`: here one run after another; on a cluster each
+        round a task. Every run's row is started before a task is submitted, so an interrupted wave
+        leaves failed rows."""
+        if self.pool is None:
+            for i, rnd in enumerate(wave):
+                for cand in rnd:
+                    self._add(cand, first + i)
+            return
+        started = [[_started(cand, first + i, self.store, self.study) for cand in rnd] for i, rnd in enumerate(wave)]
+        started = [rnd for rnd in started if rnd]
+
         def on_round(i: int, runs, error: str | None) -> None:
-            for outcome, run in zip(wave[i], runs or [None] * len(wave[i])):
+            for outcome, run in zip(started[i], runs or [None] * len(started[i])):
                 if error is not None or run.error is not None:
                     _failed(outcome, error or run.error, self.store)
                 else:
@@ -331,11 +325,12 @@ class _Race:
                               self.simulator)
                 self._record(outcome)
 
-        configs = [[self.space.config(o.candidate.params, self.base) for o in rnd] for rnd in wave]
+        configs = [[self.space.config(o.candidate.params, self.base) for o in rnd] for rnd in started]
         try:
-            self.pool.run_rounds(self.objective, configs, self.workload, on_round)
+            if configs:
+                self.pool.run_rounds(self.objective, configs, self.workload, on_round)
         except BaseException as err:  # a signal, Ctrl-C: the unfinished rows say so, and a resume runs them
-            for outcome in (o for rnd in wave for o in rnd if o.measurement is None):
+            for outcome in (o for rnd in started for o in rnd if o.measurement is None):
                 self.store.mark_run(outcome.run_id, "failed", failure_reason(err))
             raise
 
