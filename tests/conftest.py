@@ -35,19 +35,20 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
-@pytest.fixture(autouse=True)
-def host_share(request, tmp_path_factory):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """A test marked `serial` times the host (a real-time calibration): under pytest-xdist it takes
-    the host alone, the other worker's next test waiting until it ends; every other test shares it.
-    A readers-writer lock of two flock()ed files: the turnstile keeps a waiting serial test from
-    being passed by the other worker's next tests. Without xdist, tests run one at a time anyway."""
+    the host alone from its setup to its teardown, the other worker's next test (and the module
+    fixtures it would start, a server) waiting until it ends; every other test shares the host. A
+    readers-writer lock of two flock()ed files: the turnstile keeps a waiting serial test from being
+    passed by the other worker's next tests. Without xdist, tests run one at a time anyway."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
     import fcntl
-    serial = request.node.get_closest_marker("serial") is not None
-    base = str(tmp_path_factory.getbasetemp().parent / "kvtune-tests")  # the run's folder, both workers'
-    with open(base + ".turnstile", "a") as turnstile, open(base + ".host", "a") as host:
+    serial = item.get_closest_marker("serial") is not None
+    base = item.config._tmp_path_factory.getbasetemp().parent / "kvtune-tests"  # the run's, both workers'
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.host", "a") as host:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(host, fcntl.LOCK_EX if serial else fcntl.LOCK_SH)
         if not serial:

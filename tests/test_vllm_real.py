@@ -158,7 +158,6 @@ def test_diagnose_url_watches_vllm_under_load(vllm_url, shared_prefix_trace, tmp
     assert "F5" not in ids and "F6" not in ids, out  # a roomy pool under light load: no memory faults
 
 
-@pytest.mark.serial
 def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, early, tmp_path):
     early.wait_all()  # calibration times the server's steps: nothing else may share the host
     db = f"sqlite:///{tmp_path}/cal.db"
