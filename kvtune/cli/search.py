@@ -92,10 +92,11 @@ def add_search_command(sub) -> None:
     g.add_argument("--live-budget", type=positive_int, metavar="RUNS",
                    help="most live runs in all, the default's included (default: no cap)")
     g.add_argument("--ray", metavar="ADDRESS",
-                   help="run stage 2 on a Ray cluster, one round of every config per slot (the GPUs of "
-                        "--tensor-parallel-size on one node), as many rounds at once as it has slots: auto "
-                        "joins the cluster running here, local starts one in this process, HOST:PORT is its "
-                        "head (needs pip install 'kvtune[ray]'; docs/cluster.md)")
+                   help="run the search on a Ray cluster: stage 1's trials as one task per CPU sharing the "
+                        "study (--db must reach every node: postgresql://... on a cluster of several machines), "
+                        "stage 2's rounds one per slot (the GPUs of --tensor-parallel-size on one node), as many "
+                        "at once as it has slots: auto joins the cluster running here, local starts one in this "
+                        "process, HOST:PORT is its head (needs pip install 'kvtune[ray]'; docs/cluster.md)")
     add_server_flags(p)
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
@@ -115,17 +116,17 @@ def _study_name(args) -> str:
 
 
 def cmd_search(args) -> int:
-    live_targets: list = []  # a server the target check kept for the first live run stops with the search
+    # a server the target check kept for the first live run stops with the search, and then the Ray
+    # connection (and a cluster --ray local started)
+    to_close: list = []
     try:
-        return _search(args, live_targets)
+        return _search(args, to_close)
     finally:
-        for live in live_targets:
-            live.close()
-            if hasattr(live, "pool"):  # the Ray connection (and a cluster --ray local started) ends here
-                live.pool.close()
+        for each in to_close:
+            each.close()
 
 
-def _search(args, live_targets: list) -> int:
+def _search(args, to_close: list) -> int:
     try:
         slos = tuple(parse_slo(s) for s in args.slo)
         objective = Objective(args.objective, slos, latency=args.latency)
@@ -164,13 +165,14 @@ def _search(args, live_targets: list) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     live = _live_target(args) if args.target != "none" else None
+    stage1_runner = pool = None
     if args.ray:
         try:
-            live = _on_ray(args, live)
+            live, stage1_runner, pool = _on_ray(args, live, db_url)
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    live_targets += [live] if live is not None else []
+    to_close += [each for each in (live, pool) if each is not None]
     request = SearchRequest(
         workload=workload, workload_path=args.workload, objective=objective, space=space, sim=sim,
         preset=args.preset, device=args.device, study=_study_name(args), db_url=db_url, trials=args.trials,
@@ -180,7 +182,7 @@ def _search(args, live_targets: list) -> int:
         profile=args.profile, live=live, live_kind=args.target, explicit_knobs=_explicit_knobs(space, optional),
         top_k=args.top_k, live_head=args.live_head,
         plan=LivePlan(args.repeats, max(args.max_repeats, args.repeats), args.live_budget),
-        baseline=baseline, baseline_args=args.baseline_args.strip())
+        baseline=baseline, baseline_args=args.baseline_args.strip(), stage1_runner=stage1_runner)
     try:
         outcome = run_search(request, say=print, stage1_progress=_progress, on_live=_print_live)
     except SearchError as err:
@@ -238,7 +240,7 @@ class _progress:
             self.progress.update(self.task, advance=1, description=f"trial {record.number} {state}")
             if self.progress.disable and (self.done % max(1, self.total // 10) == 0 or record.state == "FAIL"):
                 reason = f": {record.reason}" if record.reason else ""
-                print(f"  trial {record.number}: {state}{reason} ({self.done} run by this process)", flush=True)
+                print(f"  trial {record.number}: {state}{reason} ({self.done} run by this search)", flush=True)
         return on_trial
 
     def __exit__(self, *exc):
@@ -252,18 +254,26 @@ def _live_target(args):
     return live_target(args.target, args, preset, device)
 
 
-def _on_ray(args, live):
-    """`live` with its servers started on the Ray cluster --ray names (cluster.target.RayTarget); a
-    ValueError says why not, before anything is written."""
-    if live is None or not hasattr(live, "check"):
+def _on_ray(args, live, db_url: str):
+    """The Ray cluster --ray names (cluster.pool.RayPool): (`live` with its servers started there
+    (cluster.target.RayTarget; None without a live target), stage 1's runner there
+    (cluster.stage1.Stage1OnRay; None where its tasks cannot reach the database: a note says why),
+    the pool). A ValueError says why not, before anything is written."""
+    if live is not None and not hasattr(live, "check"):
         raise ValueError(f"--ray {args.ray}: the cluster runs the servers kvtune starts; --target "
                          f"{args.target} has none")
     from ..cluster.pool import PoolError, connect
+    from ..cluster.stage1 import Stage1OnRay, sqlite_reason
     from ..cluster.target import RayTarget
     try:
-        return RayTarget(live, connect(args.ray, args.tensor_parallel_size))
+        pool = connect(args.ray, args.tensor_parallel_size)
     except PoolError as err:
         raise ValueError(str(err)) from None
+    reason = sqlite_reason(db_url, pool)
+    if reason is not None:
+        print(f"note: --ray {args.ray}: stage 1 runs here, not on the cluster: {reason}")
+    return (RayTarget(live, pool) if live is not None else None,
+            Stage1OnRay(pool) if reason is None else None, pool)
 
 
 def _explicit_knobs(space: SearchSpace, optional: tuple[str, ...]) -> set[str]:

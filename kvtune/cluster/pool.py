@@ -1,5 +1,6 @@
 """The driver's side of a Ray cluster: connect (`connect`), run rounds of stage 2 as Ray tasks, one
-slot each, as many at once as the cluster has slots (`RayPool.run_rounds`), and cancel them.
+slot each, as many at once as the cluster has slots (`RayPool.run_rounds`), stage 1's trials as one
+task per CPU (`RayPool.run_stage1`, the tasks are `stage1.work`), and cancel them.
 
 A slot is what one live run needs: `gpus_per_run` GPUs (the config's tensor-parallel size), or one
 CPU on a cluster without GPUs. Each round is one task (`rounds.run_round`) so that a round's configs
@@ -29,6 +30,8 @@ class RayPool:
     size: int  # rounds that can run at once
     gpus_per_run: int  # 0: the cluster has no GPUs, a run takes one CPU
     started_here: bool = False  # `--ray local`: the cluster ends with this process
+    cpus: int = 1  # stage 1's tasks that can run at once, one CPU each
+    one_host: bool = True  # every node is on the machine kvtune runs on (a SQLite file reaches them all)
 
     @property
     def describe(self) -> str:
@@ -58,10 +61,34 @@ class RayPool:
         from . import rounds
 
         remote = ray.remote(rounds.run_round).options(**self._options())
-        refs = {remote.remote(target, objective, configs, workload): i for i, configs in enumerate(rounds_)}
+        shared = ray.put(workload)  # once for the wave, not once per round
+        refs = {remote.remote(target, objective, configs, shared): i for i, configs in enumerate(rounds_)}
         self._wait(refs, on_round)
 
-    def _wait(self, refs: dict, on_done, keep: bool = False) -> dict:
+    def run_stage1(self, job, workload, tasks: int, between: Callable[[], None]) -> list[str]:
+        """`stage1.work(job, workload, i)` as `tasks` tasks of one CPU each (at most `cpus` run at once),
+        the workload put in the object store once; `between()` after each of the waits' slices. The
+        reasons of the tasks that failed (a lost node: the other tasks go on)."""
+        import ray
+
+        from . import stage1
+
+        remote = ray.remote(stage1.work).options(num_cpus=1, max_retries=0, retry_exceptions=False)
+        shared = ray.put(workload)
+        refs = {remote.remote(job, shared, i): i for i in range(tasks)}
+        failed: list[str] = []
+
+        def on_done(i: int, _ran, error: str | None) -> None:
+            if error is not None:
+                failed.append(f"task {i}: {error}")
+
+        self._wait(refs, on_done, between=between, force=False)
+        return failed
+
+    def _wait(self, refs: dict, on_done, keep: bool = False, between: Callable[[], None] | None = None,
+              force: bool = True) -> dict:
+        """Wait for `refs` ({ref: i}) in slices of WAIT_S, `on_done(i, value, error)` as each ends and
+        `between()` after each slice; on any exception (Ctrl-C) `cancel` them (`force`: see there)."""
         import ray
         from ray.exceptions import RayError
 
@@ -69,6 +96,8 @@ class RayPool:
         try:
             while refs:
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
+                if between is not None:
+                    between()
                 for ref in ready:
                     i = refs.pop(ref)
                     try:
@@ -81,18 +110,22 @@ class RayPool:
                     if keep:
                         kept[i] = value
         except BaseException:
-            self.cancel(list(refs))
+            self.cancel(list(refs), force)
             raise
         return kept
 
-    def cancel(self, refs: list) -> None:
-        """Force-cancel `refs` and wait a while for them to end (their guards end their servers)."""
+    def cancel(self, refs: list, force: bool = True) -> None:
+        """Cancel `refs` and wait a while for them to end. `force`: kill their workers (their guards end
+        their servers); else a KeyboardInterrupt in each task first (stage 1 fails its trial as
+        interrupted, `study.Stage1.optimize`), force only for those still running after CANCEL_WAIT_S."""
         import ray
 
         for ref in refs:
-            ray.cancel(ref, force=True)
+            ray.cancel(ref, force=force)
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
+            _, left = ray.wait(refs, num_returns=len(refs), timeout=CANCEL_WAIT_S)
+            if left and not force:
+                self.cancel(left, force=True)
 
     def close(self) -> None:
         import ray
@@ -126,13 +159,15 @@ def connect(address: str, gpus_per_run: int) -> RayPool:
         raise PoolError(f"--ray {address}: no Ray cluster to join ({str(err).splitlines()[0][:200]})") from None
     resources = ray.cluster_resources()
     gpus, cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
+    here = ray.util.get_node_ip_address()
+    one_host = all(n["NodeManagerAddress"] == here for n in ray.nodes() if n.get("Alive"))
     per_run = gpus_per_run if gpus else 0
     size = gpus // per_run if per_run else cpus
     if size < 1:
         ray.shutdown()
         raise PoolError(f"--ray {address}: the cluster has {gpus} GPU(s) and {cpus} CPU(s), too few for one run "
                         f"of {gpus_per_run} GPU(s)")
-    return RayPool(address, size, per_run, started_here=address == "local")
+    return RayPool(address, size, per_run, started_here=address == "local", cpus=max(cpus, 1), one_host=one_host)
 
 
 def _reachable(address: str) -> None:

@@ -74,6 +74,9 @@ class SearchRequest:
     # every config is it with the searched knobs changed, and the verdict is against it
     baseline: dict = field(default_factory=dict)
     baseline_args: str = ""
+    # runs stage 1's trials elsewhere, in place of Stage1.optimize here: `runner(stage1, request, say)`
+    # (cluster.stage1.Stage1OnRay: tasks on a Ray cluster sharing the study); None: in this process
+    stage1_runner: Callable[[Stage1, SearchRequest, Callable[[str], None]], None] | None = None
 
 
 @dataclass
@@ -151,7 +154,10 @@ def run_search(req: SearchRequest, say: Callable[[str], None] = print,
     with (stage1_progress or (lambda _n: nullcontext(None)))(req.trials) as on_trial:
         if on_trial is not None:
             stage1.on_trial = on_trial
-        stage1.optimize()
+        if req.stage1_runner is not None:
+            req.stage1_runner(stage1, req, say)
+        else:
+            stage1.optimize()
     ranked = ranked_trials(study, req.objective)
     if not ranked:
         raise SearchError("no stage-1 trial completed; see the failed trials' reasons above", 1)
