@@ -1,9 +1,13 @@
-"""Stage 2 on a real local Ray cluster (`kvtune search --ray`): two rounds at once on two slots, each
-round on one slot, the verdict the serial race gives, a config that cannot start failing only its runs,
-a resume that reruns nothing, Ctrl-C ending every server, and a --ray address with no cluster refused.
+"""Stage 1 and stage 2 on a real local Ray cluster (`kvtune search --ray`): two rounds at once on two
+slots, each round on one slot, the verdict the serial race gives, a config that cannot start failing only
+its runs, a resume that reruns nothing, Ctrl-C ending every server, a --ray address with no cluster
+refused; stage 1's trials as Ray tasks sharing the study, each trial asked run once and a rerun adding
+none; a node lost mid-round failing that round's runs with Ray's reason while the stage goes on.
 
-One head started here for the whole module (`cluster`: 2 CPUs and 2 fake GPUs in a temporary folder
-of its own, its processes in a session of their own), stopped at the end with every process it started."""
+One cluster for the whole module (`cluster`): a head (2 CPUs, 2 fake GPUs) and a second node (1 CPU,
+1 fake GPU), each `ray start` in a temporary folder and a session of its own, so that a test can kill
+the second node alone; at the end every process either started is stopped, and checked gone.
+The node-death test is the module's last: the second node stays dead after it."""
 from __future__ import annotations
 
 import os
@@ -14,15 +18,19 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 
+import optuna
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kvtune[ray]')")
 
 from kvengine.config import EngineConfig  # noqa: E402
-from kvtune.cluster.pool import connect  # noqa: E402
+from kvtune.cluster.pool import RayPool, connect  # noqa: E402
+from kvtune.cluster.stage1 import sqlite_reason  # noqa: E402
 from kvtune.cluster.target import RayTarget  # noqa: E402
 from kvtune.report.sections import slots_blocks  # noqa: E402
 from kvtune.search.live_runs import live_runs  # noqa: E402
@@ -30,14 +38,15 @@ from kvtune.search.objective import Objective  # noqa: E402
 from kvtune.search.ranking import choose  # noqa: E402
 from kvtune.search.space import load_space  # noqa: E402
 from kvtune.search.stage2 import LiveConfig, LivePlan, run_stage2  # noqa: E402
+from kvtune.search.study import FINISHED, count_taken, counts  # noqa: E402
 from kvtune.store import Store  # noqa: E402
 from kvtune.targets import EngineTarget, LiveOptions  # noqa: E402
 from kvtune.workload import TraceRequest, Workload  # noqa: E402
 from kvtune_cli import kvtune  # noqa: E402
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-SPACE = load_space(None, ["block_size=16", "gpu_memory_utilization=0.3,0.9", "max_num_seqs=2,64",
-                          "kv_cache_dtype=auto"])
+SPACE_FLAGS = ["block_size=16", "gpu_memory_utilization=0.3,0.9", "max_num_seqs=2,64", "kv_cache_dtype=auto"]
+SPACE = load_space(None, SPACE_FLAGS)
 # the default serves two sequences at a time: 64 clears the burst far sooner, a gap no host noise hides
 DEFAULT = {"block_size": 16, "gpu_memory_utilization": 0.9, "max_num_seqs": 2, "kv_cache_dtype": "auto"}
 WIDE = DEFAULT | {"max_num_seqs": 64}
@@ -79,35 +88,76 @@ def _pids_with_env(marker: str) -> list[int]:
     return found
 
 
+@dataclass
+class Cluster:
+    address: str  # the head's
+    started: list  # (temporary folder, session) of each `ray start`: the head's, then the second node's
+
+    def second_node_pids(self) -> list[int]:
+        """The second node's processes: its raylet, its agents and the Ray workers it started."""
+        return _cluster_pids(*self.started[1])
+
+    def kill_second_node(self) -> None:
+        for pid in self.second_node_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _ray_start(started: list, *args: str) -> None:
+    """`ray start ARGS` in a temporary folder and a session of its own, noted in `started` first."""
+    temp = tempfile.mkdtemp(prefix="kvray-")
+    proc = subprocess.Popen([RAY, "start", *args, "--temp-dir", temp, "--disable-usage-stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    started.append((temp, proc.pid))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    """A head with 2 CPUs and 2 fake GPUs on a free port; the address. Its folder is short (Ray's
-    socket paths have a length limit) and its own, so that the end kills exactly its processes."""
-    temp = tempfile.mkdtemp(prefix="kvray-")
-    port = _free_port()
-    head = subprocess.Popen([RAY, "start", "--head", "--num-cpus", "2", "--num-gpus", "2", "--port", str(port),
-                             "--include-dashboard=false", "--dashboard-port", str(_free_port()),
-                             "--temp-dir", temp, "--disable-usage-stats"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    """A head with 2 CPUs and 2 fake GPUs on a free port, and a second node with 1 CPU, 1 fake GPU and
+    the custom resource `second`. Their folders are short (Ray's socket paths have a length limit) and
+    their own, so that the end kills exactly their processes."""
+    port, started = _free_port(), []
+    # no token: Ray >= 2.52 turns token authentication on where ~/.ray/auth_token exists (a `ray.init()`
+    # of its own, --ray local, writes one), and a node then cannot join; the drivers the tests start
+    # inherit this
+    auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
-        out, _ = head.communicate(timeout=120)
-        assert head.returncode == 0, out
-        yield f"127.0.0.1:{port}"
+        _ray_start(started, "--head", "--num-cpus", "2", "--num-gpus", "2", "--port", str(port),
+                   "--include-dashboard=false", "--dashboard-port", str(_free_port()))
+        _ray_start(started, "--address", f"127.0.0.1:{port}", "--num-cpus", "1", "--num-gpus", "1",
+                   "--resources", '{"second": 1}')
+        yield Cluster(f"127.0.0.1:{port}", started)
     finally:
         if ray.is_initialized():
             ray.shutdown()
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in _cluster_pids(temp, head.pid):
+            for pid in (pid for temp, session in started for pid in _cluster_pids(temp, session)):
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
             deadline = time.monotonic() + 2
-            while _cluster_pids(temp, head.pid) and time.monotonic() < deadline:
+            while any(_cluster_pids(*each) for each in started) and time.monotonic() < deadline:
                 time.sleep(0.1)
-        left = _cluster_pids(temp, head.pid)
-        shutil.rmtree(temp, ignore_errors=True)
+        if auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth
+        left = [pid for each in started for pid in _cluster_pids(*each)]
+        for temp, _session in started:
+            shutil.rmtree(temp, ignore_errors=True)
         assert not left, f"the cluster's processes outlived it: {left}"
+
+
+@pytest.fixture(scope="module")
+def pool(cluster) -> RayPool:
+    """This test process's connection to `cluster`, a slot a GPU (ended with the cluster)."""
+    return connect(cluster.address, 1)
 
 
 def _workload() -> Workload:
@@ -120,11 +170,10 @@ def _target(**env) -> EngineTarget:
                         extra_args="--max-model-len 4096")
 
 
-def _race(db: str, study: str, candidates: list[dict], run, pool=None, target=None):
-    target = target or _target()
+def _race(db: str, study: str, candidates: list[dict], run, pool=None, repeats: int = 2):
     configs = [LiveConfig("default" if p == DEFAULT else f"trial {i}", -1 if p == DEFAULT else i, p)
                for i, p in enumerate(candidates)]
-    plan = LivePlan(repeats=2, max_repeats=2)
+    plan = LivePlan(repeats=repeats, max_repeats=repeats)
     outcomes = run_stage2(run, configs, SPACE, EngineConfig(), _workload(), Objective("throughput", ()),
                           Store(db), study, plan, pool=pool)
     return outcomes
@@ -139,11 +188,11 @@ def _figures_verdict(db: str, study: str):
     return choose([], runs, [], DEFAULT)[0]
 
 
-def test_two_slots_run_rounds_at_once_each_on_one_slot_and_agree_with_the_serial_race(cluster, tmp_path):
+def test_two_slots_run_rounds_at_once_each_on_one_slot_and_agree_with_the_serial_race(pool, tmp_path):
     db = f"sqlite:///{tmp_path}/s.db"
     target = _target()
-    pool = RayTarget(target, connect(cluster, 1))
-    assert pool.size == 2
+    pool = RayTarget(target, pool)
+    assert pool.size == 3  # the head's two GPUs and the second node's
     outcomes = _race(db, "par", [DEFAULT, WIDE, BROKEN], pool.run, pool=pool)
     done = [o for o in outcomes if o.error is None]
     failed = [o for o in outcomes if o.error is not None]
@@ -156,7 +205,7 @@ def test_two_slots_run_rounds_at_once_each_on_one_slot_and_agree_with_the_serial
     for o in done:
         by_round.setdefault(o.repeat, set()).add((tuple(slots[o.run_id]["gpus"]), slots[o.run_id]["node_id"]))
     assert all(len(s) == 1 for s in by_round.values()), by_round  # a round stays on its slot
-    assert by_round[1] != by_round[2]  # two slots: GPU 0 and GPU 1
+    assert by_round[1] != by_round[2]  # two slots at once (of the three)
     spans = {r: [(slots[o.run_id]["started"], slots[o.run_id]["ended"]) for o in done if o.repeat == r] for r in (1, 2)}
     first, second = (min(s for s, _ in spans[r]) for r in (1, 2)), (max(e for _, e in spans[r]) for r in (1, 2))
     assert max(first) < min(second), spans  # the two rounds ran at the same time
@@ -196,7 +245,7 @@ def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tm
     mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
     script = tmp_path / "cancel.py"
     script.write_text(SIGINT_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), cluster, mark.split("=")[1]],
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address, mark.split("=")[1]],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 30
@@ -227,3 +276,103 @@ def test_a_ray_address_with_no_cluster_is_refused_before_anything_is_written(tmp
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"--ray {address}" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not db.exists()  # the cluster is checked before the store or the study is made
+
+
+def test_stage_1_stays_here_where_a_sqlite_file_does_not_reach_every_node():
+    def on(one_host: bool) -> RayPool:
+        return RayPool("HEAD:6379", 2, 1, one_host=one_host)
+
+    assert sqlite_reason("sqlite:////data/kvtune.db", on(one_host=True)) is None  # every node on this machine
+    assert "postgresql://" in sqlite_reason("sqlite:////data/kvtune.db", on(one_host=False))
+    assert sqlite_reason("postgresql://kv@db/kvtune", on(one_host=False)) is None
+    assert "in-memory" in sqlite_reason("sqlite://", on(one_host=True))
+
+
+def _stage1_search(cluster, trace, db: str) -> subprocess.CompletedProcess:
+    space = [a for flag in SPACE_FLAGS for a in ("--space", flag)]
+    p = kvtune("search", "--workload", trace, "--trials", "6", "--device", "l4-24gb", "--target", "none",
+               "--db", db, "--study", "s1", "--no-report", "--ray", cluster.address, *space, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def _stage1_state(db: str) -> tuple[list, list]:
+    """The study's trials (number, state, params, user attrs) and the store's runs (id, trial)."""
+    study = optuna.load_study(study_name="s1", storage=db)
+    trials = [(t.number, t.state.name, t.params, t.user_attrs) for t in study.get_trials()]
+    return trials, sorted((r.id, r.trial_number) for r in Store(db).list_runs(study="s1"))
+
+
+def test_stage_1_on_ray_runs_each_trial_asked_once_and_a_rerun_adds_none(cluster, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    from kvtune.workload import write_workload
+    write_workload(_workload(), str(trace))
+    db = f"sqlite:///{tmp_path}/s.db"
+    first = _stage1_search(cluster, trace, db)
+    assert "stage 1 on Ray cluster" in first.stdout and "3 task(s)" in first.stdout  # one per CPU of the two nodes
+    assert "stage 1 on the Ray cluster: 6 trial(s) finished" in first.stdout  # the driver heard of each
+    study = optuna.load_study(study_name="s1", storage=db)
+    trials = study.get_trials()
+    assert count_taken(study) == 6 and all(t.state in FINISHED for t in trials)
+    assert all(t.user_attrs.get("surplus") for t in trials if not counts(t))  # any beyond 6: a slot another took
+    done = [t for t in trials if counts(t) and t.state.name == "COMPLETE"]
+    measured = [t.user_attrs["run_id"] for t in done if "duplicate_of" not in t.user_attrs]
+    # a point met again reused its twin's run: one run per trial that measured, and no other run stored
+    assert len(set(measured)) == len(measured)
+    assert {t.user_attrs["run_id"] for t in done} == set(measured)
+    state, runs = _stage1_state(db)
+    assert sorted(i for i, _n in runs) == sorted(measured)
+
+    again = _stage1_search(cluster, trace, db)
+    assert "task(s)" not in again.stdout  # the study is full: no task is started
+    assert _stage1_state(db) == (state, runs)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return None
+
+
+def test_a_node_lost_mid_round_fails_that_rounds_runs_with_rays_reason_and_the_stage_goes_on(
+        cluster, pool, tmp_path):
+    """Three rounds at once fill the three slots, so one runs on the second node; once its server runs
+    there (a child of the node's Ray worker) the node is killed. The module's last test."""
+    mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
+    target = RayTarget(_target(KVTUNE_RAY_MARK=mark.split("=")[1]), pool)
+    killed, stop = threading.Event(), threading.Event()
+
+    def kill_once_its_server_runs():
+        deadline = time.monotonic() + 120
+        while not stop.is_set() and time.monotonic() < deadline:
+            workers = set(cluster.second_node_pids())
+            if any(_parent(pid) in workers for pid in _pids_with_env(mark)):
+                cluster.kill_second_node()
+                killed.set()
+                return
+            time.sleep(0.1)
+
+    second = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "second" in n["Resources"])
+    killer = threading.Thread(target=kill_once_its_server_runs, daemon=True)
+    killer.start()
+    db = f"sqlite:///{tmp_path}/s.db"
+    try:
+        outcomes = _race(db, "lost", [DEFAULT, WIDE], target.run, pool=target, repeats=3)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed.is_set(), "no round's server ran on the second node"
+    failed = [o for o in outcomes if o.error is not None]
+    # the lost round's runs (the one running and the one after it) fail with the reason Ray gives
+    assert len(failed) == 2 and len({o.repeat for o in failed}) == 1, [(o.repeat, o.error) for o in outcomes]
+    assert all("the Ray task failed" in o.error and "node" in o.error.lower() for o in failed), failed[0].error
+    done = [o for o in outcomes if o.error is None]
+    # the stage went on: the other two rounds finished, every config once each, on the head's slots
+    assert len(done) == 4 and {o.repeat for o in done} == {1, 2, 3} - {failed[0].repeat}
+    assert all(Store(db).load_run(o.run_id).summary["slot"]["node_id"] != second for o in done)
+    deadline = time.monotonic() + 5
+    while _pids_with_env(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pids_with_env(mark), "the lost node's server outlived it"  # its task's guard ended it
