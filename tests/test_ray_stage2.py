@@ -368,6 +368,7 @@ def test_a_node_lost_mid_round_fails_that_rounds_runs_with_rays_reason_and_the_s
     # the lost round's runs (the one running and the one after it) fail with the reason Ray gives
     assert len(failed) == 2 and len({o.repeat for o in failed}) == 1, [(o.repeat, o.error) for o in outcomes]
     assert all("the Ray task failed" in o.error and "node" in o.error.lower() for o in failed), failed[0].error
+    assert all(o.slot_lost for o in failed)  # the slot's loss, not the configs': neither leaves the race for it
     done = [o for o in outcomes if o.error is None]
     # the stage went on: the other two rounds finished, every config once each, on the head's slots
     assert len(done) == 4 and {o.repeat for o in done} == {1, 2, 3} - {failed[0].repeat}

@@ -99,6 +99,7 @@ class LiveOutcome:
     score: Score | None = None
     run_id: int | None = None
     error: str | None = None
+    slot_lost: bool = False  # failed with its Ray task (a node lost), not through its config
     measurement: Measurement | None = None
 
 
@@ -278,8 +279,8 @@ class _Race:
             if not any(wave) and self.spent:
                 return verdict
             self._run_wave(wave, first)
-            failed = {id(o.candidate) for o in self.outcomes if o.error and o.repeat == 1}
-            active = [c for c in active if id(c) not in failed]  # a config that cannot start will not start later
+            failed = {id(o.candidate) for o in self.outcomes if o.error and not o.slot_lost and o.repeat == 1}
+            active = [c for c in active if id(c) not in failed]  # a config that failed its first run will fail again
             if numbers[-1] < plan.repeats:
                 continue
             verdict, _, _ = choose([], [o.measurement for o in self.outcomes], list(self.objective.slos), self.dflt,
@@ -320,6 +321,7 @@ class _Race:
             for outcome, run in zip(started[i], runs or [None] * len(started[i])):
                 if error is not None or run.error is not None:
                     _failed(outcome, error or run.error, self.store)
+                    outcome.slot_lost = error is not None
                 else:
                     _finished(outcome, run.values, run.score, run.result, self.objective, self.store, self.study,
                               self.simulator)
