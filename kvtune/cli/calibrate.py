@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import os
 import sys
 
 from kvengine.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, device_preset, model_preset
@@ -19,6 +21,7 @@ from .args import add_db_argument
 from ..store import Store, resolve_db_url
 from ..targets import TargetStartError
 from .target import add_server_flags, live_target, refuse_unservable, simulated_model_device
+from .ray import add_ray_argument, connect_ray, refuse_target
 from .args import name_or_url, positive_float, positive_int
 from ..calibrate.errors import CalibrationError
 from ..calibrate.runner import ProbeOptions
@@ -46,6 +49,9 @@ def add_calibrate_command(sub) -> None:
     add_engine_flags(p, platform_block_size=True)
     _add_probe_flags(p)
     add_server_flags(p)
+    add_ray_argument(p, "run the whole calibration (the server kvtune starts, its probes, the --quantized-kv "
+                        "pass) in one Ray task on a slot of a cluster (the GPUs of --tensor-parallel-size on the "
+                        "node Ray picks), never on this machine; the profile comes back and is stored here")
     add_db_argument(p)
     p.add_argument("--no-save", action="store_true", help="fit and report, but store nothing")
     p.add_argument("--json", action="store_true", help="end with the profile (less its observations) as one "
@@ -101,6 +107,7 @@ def default_name(target: str, executor: str | None, preset: str, device: str) ->
 
 
 def cmd_calibrate(args) -> int:
+    refuse_target(args)  # --ray with a URL: before the URL is asked anything
     preset, device = simulated_model_device(args)
     model = model_preset(preset)  # unknown presets, or one that is not the served model, fail before anything starts
     device_preset(device)
@@ -114,9 +121,20 @@ def cmd_calibrate(args) -> int:
         if args.quantized_kv:
             refuse_unservable(server, dataclasses.replace(config, kv_cache_dtype=args.quantized_kv),
                               f"--quantized-kv {args.quantized_kv}")
-    store = None if args.no_save else Store(resolve_db_url(args.db))  # a bad --db fails before any probe
+    # a bad --ray fails before the store is made, a bad --db before any probe
+    pool = connect_ray(args, config.tensor_parallel_size or 1) if args.ray else None
     try:
-        profile = _calibrate(args, server, config, preset, device, name)
+        return _calibrated(args, server, config, preset, device, name, pool)
+    finally:
+        if pool is not None:
+            pool.close()  # a --ray local cluster ends here
+
+
+def _calibrated(args, server, config: EngineConfig, preset: str, device: str, name: str, pool) -> int:
+    """Calibrate (on `pool`'s cluster where --ray is given), then store and print the profile."""
+    store = None if args.no_save else Store(resolve_db_url(args.db))
+    try:
+        profile = _calibrate(args, server, config, preset, device, name, pool)
     except (CalibrationError, TargetStartError) as err:
         print(f"error: calibrate: {err}", file=sys.stderr)
         print("nothing saved", file=sys.stderr)
@@ -148,16 +166,42 @@ def _refuse_conflicting_flags(args, config: EngineConfig) -> None:
                           f"own dtype: leave --kv-cache-dtype ({config.kv_cache_dtype}) at auto")
 
 
-def _calibrate(args, server, config: EngineConfig, preset: str, device: str, name: str):
-    """The profile of the server at the --target URL, or of `server` (a target kvtune starts)."""
+def _calibrate(args, server, config: EngineConfig, preset: str, device: str, name: str, pool=None):
+    """The profile of the server at the --target URL, or of `server` (a target kvtune starts; in a task
+    on `pool`'s cluster where one is given)."""
     options = ProbeOptions(request_timeout_s=args.request_timeout, deadline_s=args.probe_timeout, seed=args.seed)
     plan_args = {"quick": args.quick, "max_batch": args.max_batch, "max_prompt": args.max_prompt}
     if server is None:
         request = CalibrationRequest(args.target, preset, device, config, name, target="url", options=options,
                                      **plan_args)
         return calibrate_url(request, progress=_progress)
-    return calibrate_target(server, config, preset, device, name, options=options, cost_profile=args.cost_profile,
-                            quantized_kv=args.quantized_kv, progress=_progress, **plan_args)
+    # the server reads --cost-profile where it runs: a task's working folder is not this one
+    cost_profile = os.path.abspath(args.cost_profile) if args.cost_profile and pool else args.cost_profile
+    session = functools.partial(calibrate_target, config=config, preset=preset, device=device, name=name,
+                                options=options, cost_profile=cost_profile, quantized_kv=args.quantized_kv,
+                                **plan_args)
+    if pool is None:
+        return session(server, progress=_progress)
+    return _on_ray(args, pool, server, session)
+
+
+def _on_ray(args, pool, server, session):
+    """`session` in one Ray task on one slot (cluster.rounds.calibrate): the profile, or CalibrationError
+    with why not (the session's own error, or the reason Ray gives for a lost task). A task's output does
+    not reach this process: the session's progress lines are printed as it ends, then where it ran."""
+    from ..cluster.slots import Slot
+
+    _progress(f"calibrating in a Ray task on a slot of {pool.slot_text} of Ray cluster {args.ray}; its "
+              "progress is printed as it ends")
+    done, lost = pool.calibrate(server, session)
+    if lost is not None:
+        raise CalibrationError(lost)
+    for line in done.lines:
+        _progress(line)
+    _progress(f"calibrated on Ray cluster {args.ray}: {Slot.of(done.slot).label}")
+    if done.error is not None:
+        raise CalibrationError(done.error)
+    return done.profile
 
 
 def _server_target(args, config: EngineConfig, preset: str, device: str):

@@ -18,6 +18,7 @@ from ..results import RunResult, config_dict
 from ..store import Store, resolve_db_url
 from ..targets import SimTarget, TargetRunError, TargetStartError, UrlTarget
 from .target import add_server_flags, live_target, refuse_unservable, simulated_model, simulated_model_device
+from .ray import add_ray_argument, on_ray, refuse_target
 from ..stopping import failure_reason
 from ..workload import FORMATS, head, rate_scale, read_workload
 from .args import add_max_concurrency, name_or_url, positive_float, positive_int
@@ -55,6 +56,9 @@ def add_run_command(sub) -> None:
                    help="engine target on the CPU: the memory budget (e.g. 2GiB)")
     add_engine_flags(p, platform_block_size=True)
     add_server_flags(p)
+    add_ray_argument(p, "start the run's server and its load generator in a Ray task on a slot of a cluster "
+                        "(the GPUs of --tensor-parallel-size on the node Ray picks), never on this machine; "
+                        "the stored run keeps its slot")
     add_db_argument(p)
     p.add_argument("--out", metavar="FILE", help="also write the whole run (requests, series, summary) as JSON")
     p.add_argument("--json", action="store_true", help="end with the summary as one JSON object")
@@ -80,6 +84,7 @@ def build_target(args):
 
 
 def cmd_run(args) -> int:
+    refuse_target(args)  # --ray with a URL or sim: before the trace is read or the URL asked anything
     config = config_from_args(args)
     db_url = resolve_db_url(args.db)
     workload = _workload(args)  # a bad trace or flag fails before anything is created
@@ -91,11 +96,25 @@ def cmd_run(args) -> int:
     else:
         config.validate()
         refuse_unservable(target, config)  # what the server's rules refuse: before it starts or is stored
+    if not args.ray:
+        return _stored_run(args, target, config, workload, db_url, model_label, device)
+    ray_target, pool = on_ray(args, target, config.tensor_parallel_size or 1)  # before the store is made
+    try:
+        print(f"the run's server starts in a Ray task on a slot of {pool.slot_text} of Ray cluster {args.ray}",
+              flush=True)
+        return _stored_run(args, ray_target, config, workload, db_url, model_label, device)
+    finally:
+        pool.close()  # a --ray local cluster ends here
+
+
+def _stored_run(args, target, config, workload, db_url: str, model_label, device) -> int:
+    """Run `config` on `target`, store the run and its diagnoses, print its summary."""
     store = Store(db_url)
     url_target = isinstance(target, UrlTarget)
     run_id = store.start_run(target.name, model_label or args.target, device or "unknown",
                              config=None if url_target else config_dict(config))
-    if args.target != "sim":  # a live run: its scrapes reach the UI while it runs
+    if args.target != "sim" and not args.ray:  # a live run: its scrapes reach the UI while it runs (a Ray
+        # task's node may not reach this store: its scrapes are stored with the run as it ends)
         target.options.on_samples = functools.partial(store.add_samples, run_id)
     try:
         result = target.run(None if url_target else config, workload)
@@ -114,11 +133,19 @@ def cmd_run(args) -> int:
     found = _diagnose(result, target, workload, args.profile)
     store.save_diagnoses(run_id, found)
     print(format_summary(result))
+    if "slot" in result.summary:
+        print(f"ran on Ray cluster {args.ray}: {_slot_label(result.summary['slot'])}")
     print(f"run {run_id} stored in {store.display_url}" + (f", written to {args.out}" if args.out else ""))
     print(_findings_line(found, run_id))
     if args.json:
         print(json.dumps(result.summary | {"run_id": run_id, "faults": [d.id for d in found]}))
     return 0
+
+
+def _slot_label(slot: dict) -> str:
+    from ..cluster.slots import Slot
+
+    return Slot.of(slot).label
 
 
 def _diagnose(result: RunResult, target, workload, profile: str | None) -> list:

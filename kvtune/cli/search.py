@@ -15,6 +15,7 @@ from ..calibrate import get_profile
 from ..store import resolve_db_url
 from ..targets import SimTarget
 from .target import add_server_flags, live_target, simulated_model_device
+from .ray import add_ray_argument, connect_ray
 from ..workload import FORMATS, read_workload
 from .args import add_max_concurrency, positive_float, positive_int
 from ..search.flow import SearchError, SearchRequest, run_search
@@ -91,12 +92,10 @@ def add_search_command(sub) -> None:
                    help="while the leader and the default still overlap, run up to this many (default: %(default)s)")
     g.add_argument("--live-budget", type=positive_int, metavar="RUNS",
                    help="most live runs in all, the default's included (default: no cap)")
-    g.add_argument("--ray", metavar="ADDRESS",
-                   help="run the search on a Ray cluster: stage 1's trials as one task per CPU sharing the "
+    add_ray_argument(g, "run the search on a Ray cluster: stage 1's trials as one task per CPU sharing the "
                         "study (--db must reach every node: postgresql://... on a cluster of several machines), "
-                        "stage 2's rounds one per slot (the GPUs of --tensor-parallel-size on one node), as many "
-                        "at once as it has slots: auto joins the cluster running here, local starts one in this "
-                        "process, HOST:PORT is its head (needs pip install 'kvtune[ray]'; docs/cluster.md)")
+                        "stage 2's rounds one per slot (the GPUs of --tensor-parallel-size on one node), as "
+                        "many at once as it has slots")
     add_server_flags(p)
     g = p.add_argument_group("storage and output")
     add_db_argument(g)
@@ -255,20 +254,14 @@ def _live_target(args):
 
 
 def _on_ray(args, live, db_url: str):
-    """The Ray cluster --ray names (cluster.pool.RayPool): (`live` with its servers started there
+    """The Ray cluster --ray names (cli.ray.connect_ray): (`live` with its servers started there
     (cluster.target.RayTarget; None without a live target), stage 1's runner there
     (cluster.stage1.Stage1OnRay; None where its tasks cannot reach the database: a note says why),
     the pool). A ValueError says why not, before anything is written."""
-    if live is not None and not hasattr(live, "check"):
-        raise ValueError(f"--ray {args.ray}: the cluster runs the servers kvtune starts; --target "
-                         f"{args.target} has none")
-    from ..cluster.pool import PoolError, connect
     from ..cluster.stage1 import Stage1OnRay, sqlite_reason
     from ..cluster.target import RayTarget
-    try:
-        pool = connect(args.ray, args.tensor_parallel_size)
-    except PoolError as err:
-        raise ValueError(str(err)) from None
+
+    pool = connect_ray(args, args.tensor_parallel_size)
     reason = sqlite_reason(db_url, pool)
     if reason is not None:
         print(f"note: --ray {args.ray}: stage 1 runs here, not on the cluster: {reason}")

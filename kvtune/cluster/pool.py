@@ -1,6 +1,7 @@
 """The driver's side of a Ray cluster: connect (`connect`), run rounds of stage 2 as Ray tasks, one
 slot each, as many at once as the cluster has slots (`RayPool.run_rounds`), stage 1's trials as one
-task per CPU (`RayPool.run_stage1`, the tasks are `stage1.work`), and cancel them.
+task per CPU (`RayPool.run_stage1`, the tasks are `stage1.work`), one task on one slot
+(`RayPool.one`: a search's first start, `kvtune calibrate --ray`'s session), and cancel them.
 
 A slot is what one live run needs: `gpus_per_run` GPUs (the config's tensor-parallel size), or one
 CPU on a cluster without GPUs. Each round is one task (`rounds.run_round`) so that a round's configs
@@ -34,9 +35,13 @@ class RayPool:
     one_host: bool = True  # every node is on the machine kvtune runs on (a SQLite file reaches them all)
 
     @property
+    def slot_text(self) -> str:
+        """What one slot is: '1 GPU(s)', or one CPU on a cluster without GPUs."""
+        return f"{self.gpus_per_run} GPU(s)" if self.gpus_per_run else "1 CPU (the cluster has no GPUs)"
+
+    @property
     def describe(self) -> str:
-        per = f"{self.gpus_per_run} GPU(s)" if self.gpus_per_run else "1 CPU (the cluster has no GPUs)"
-        return f"Ray cluster {self.address}: {self.size} slot(s) of {per}, each running one round at a time"
+        return f"Ray cluster {self.address}: {self.size} slot(s) of {self.slot_text}, each running one round at a time"
 
     def _options(self) -> dict:
         # no retries: a round run again elsewhere would mix two slots in one block
@@ -45,12 +50,27 @@ class RayPool:
 
     def check(self, target, config) -> tuple[dict | None, str | None]:
         """`rounds.check` in a task: the live target's first start, on a slot of the cluster."""
-        import ray
-
         from . import rounds
 
-        ref = ray.remote(rounds.check).options(**self._options()).remote(target, config)
-        return self._wait({ref: 0}, lambda _i, value, error: None, keep=True)[0]
+        value, error = self.one(rounds.check, target, config)
+        return (None, error) if error is not None else value
+
+    def calibrate(self, target, session) -> tuple[object, str | None]:
+        """`rounds.calibrate` in a task: a whole calibration session on one slot of the cluster; its
+        rounds.Calibrated, or None and the reason Ray gives where the task failed as a whole."""
+        from . import rounds
+
+        return self.one(rounds.calibrate, target, session)
+
+    def one(self, fn: Callable, *args) -> tuple[object, str | None]:
+        """`fn(*args)` as one task on one slot, waited for (cancelled on Ctrl-C): (its value, None),
+        or (None, the reason Ray gives) where the task failed (a lost node)."""
+        import ray
+
+        ref = ray.remote(fn).options(**self._options()).remote(*args)
+        got: dict = {}
+        self._wait({ref: 0}, lambda _i, value, error: got.update(value=value, error=error))
+        return got["value"], got["error"]
 
     def run_rounds(self, target, objective, rounds_: list[list], workload,
                    on_round: Callable[[int, list | None, str | None], None]) -> None:
@@ -85,14 +105,12 @@ class RayPool:
         self._wait(refs, on_done, between=between, force=False)
         return failed
 
-    def _wait(self, refs: dict, on_done, keep: bool = False, between: Callable[[], None] | None = None,
-              force: bool = True) -> dict:
+    def _wait(self, refs: dict, on_done, between: Callable[[], None] | None = None, force: bool = True) -> None:
         """Wait for `refs` ({ref: i}) in slices of WAIT_S, `on_done(i, value, error)` as each ends and
         `between()` after each slice; on any exception (Ctrl-C) `cancel` them (`force`: see there)."""
         import ray
         from ray.exceptions import RayError
 
-        kept = {}
         try:
             while refs:
                 ready, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
@@ -104,15 +122,11 @@ class RayPool:
                         value = ray.get(ref)
                     except RayError as err:
                         on_done(i, None, task_failure(err))
-                        kept[i] = (None, task_failure(err))
                         continue
                     on_done(i, value, None)
-                    if keep:
-                        kept[i] = value
         except BaseException:
             self.cancel(list(refs), force)
             raise
-        return kept
 
     def cancel(self, refs: list, force: bool = True) -> None:
         """Cancel `refs` and wait a while for them to end. `force`: kill their workers (their guards end

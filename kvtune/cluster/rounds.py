@@ -1,10 +1,12 @@
 """What a Ray task runs on the node Ray picked: one round of stage 2 (every config once, in order) on
 the GPUs Ray assigned it, the server and the load generator side by side on that node over loopback.
 
-`run_round` is `pool.RayPool`'s task: it returns each run's scores and RunResult, the slot
-(`slots.Slot`) stored in the run's summary["slot"] with the wall-clock times it started and ended.
-A server that cannot start fails its run, not the round. `guarded` keeps a `guard` process beside
-the task, so that a task killed by SIGKILL leaves no server behind.
+`run_round` is `pool.RayPool`'s task (a round of stage 2, or `kvtune run --ray`'s one run): it returns
+each run's scores and RunResult, the slot (`slots.Slot`) stored in the run's summary["slot"] with the
+wall-clock times it started and ended. A server that cannot start fails its run, not the round.
+`check` is a search's first start of the live target, `calibrate` a whole calibration session
+(`kvtune calibrate --ray`), each on one slot. `guarded` keeps a `guard` process beside the task, so
+that a task killed by SIGKILL leaves no server behind.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..results import RunResult
@@ -28,6 +31,7 @@ class RoundRun:
     score: object = None  # search.slo.Score
     result: RunResult | None = None
     error: str | None = None
+    start_failed: bool = False  # the server did not start (TargetStartError), rather than the run failing
 
 
 def current_slot() -> Slot:
@@ -67,7 +71,8 @@ def run_round(target, objective, configs: list, workload) -> list[RoundRun]:
             try:
                 values, score, result = objective.evaluate(target.run, config, workload)
             except (TargetStartError, TargetRunError) as err:
-                runs.append(RoundRun(error=f"{err} (on {slot.label})"))
+                runs.append(RoundRun(error=f"{err} (on {slot.label})",
+                                     start_failed=isinstance(err, TargetStartError)))
                 continue
             result.summary["slot"] = slot.as_dict() | {"started": started, "ended": time.time()}
             runs.append(RoundRun(values, score, result))
@@ -86,3 +91,30 @@ def check(target, config) -> tuple[dict | None, str | None]:
             return None, f"{err} (on {slot.label})"
         finally:
             target.close()
+
+
+@dataclass
+class Calibrated:
+    """What `calibrate` gives back: the fitted profile (calibrate.profile.CalibrationProfile) or why
+    there is none, the slot it ran on, and the progress lines the session said (a task's output does
+    not reach the driver, which prints them)."""
+    slot: dict
+    lines: list[str]
+    profile: object = None
+    error: str | None = None
+
+
+def calibrate(target, session: Callable) -> Calibrated:
+    """`session(target, progress=...)` on this task's slot: a calibration that starts `target`'s server
+    (and the quantized pass's, where it runs one) and stops it, as `cli.calibrate._calibrate` builds it
+    from `calibrate.session.calibrate_target`. A CalibrationError's or TargetStartError's message
+    comes back as `error`, with the slot."""
+    from ..calibrate.errors import CalibrationError
+
+    slot = current_slot()
+    lines: list[str] = []
+    with guarded():
+        try:
+            return Calibrated(slot.as_dict(), lines, profile=session(on_slot(target, slot), progress=lines.append))
+        except (CalibrationError, TargetStartError, TargetRunError) as err:
+            return Calibrated(slot.as_dict(), lines, error=f"{err} (on {slot.label})")

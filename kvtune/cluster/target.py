@@ -1,4 +1,4 @@
-"""A live target whose servers start on a Ray cluster's slots (`kvtune search --ray`).
+"""A live target whose servers start on a Ray cluster's slots (`kvtune search --ray`, `kvtune run --ray`).
 
 `RayTarget` wraps the target the flags describe (an EngineTarget, VllmTarget, SglangTarget): the
 search's check and each run start its server in a Ray task (`rounds.check`, `rounds.run_round`), never
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..targets.base import TargetStartError
+from ..targets.base import TargetRunError, TargetStartError
 from .pool import RayPool
 
 
@@ -33,15 +33,19 @@ class RayTarget:
         return reported or {}
 
     def run(self, config, workload):
-        """One run in a task of its own (stage 2 runs whole rounds instead: `RayPool.run_rounds`)."""
+        """One run in a task of its own (`kvtune run --ray`; stage 2 runs whole rounds instead:
+        `RayPool.run_rounds`), its slot in the result's summary["slot"]. A server that did not start
+        raises TargetStartError; a run that failed, or a task Ray lost, TargetRunError."""
         from ..search.objective import Objective
 
         got = []
         self.pool.run_rounds(self.target, Objective("throughput", ()), [[config]], workload,
                              lambda _i, runs, error: got.append((runs, error)))
         runs, error = got[0]
-        if error is not None or runs[0].error is not None:
-            raise TargetStartError(error or runs[0].error)
+        if error is not None:
+            raise TargetRunError(error)
+        if runs[0].error is not None:
+            raise (TargetStartError if runs[0].start_failed else TargetRunError)(runs[0].error)
         return runs[0].result
 
     @property
