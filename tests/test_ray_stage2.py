@@ -2,7 +2,9 @@
 slots, each round on one slot, the verdict the serial race gives, a config that cannot start failing only
 its runs, a resume that reruns nothing, Ctrl-C ending every server, a --ray address with no cluster
 refused; stage 1's trials as Ray tasks sharing the study, each trial asked run once and a rerun adding
-none; a node lost mid-round failing that round's runs with Ray's reason while the stage goes on.
+none; `kvtune run --ray` and `kvtune calibrate --ray` starting their server in a task, the run stored
+with its slot and the profile stored here, and `--ray` refused for a target kvtune starts no server
+for; a node lost mid-round failing that round's runs with Ray's reason while the stage goes on.
 
 One cluster for the whole module (`cluster`): a head (2 CPUs, 2 fake GPUs) and a second node (1 CPU,
 1 fake GPU), each `ray start` in a temporary folder and a session of its own, so that a test can kill
@@ -10,6 +12,7 @@ the second node alone; at the end every process either started is stopped, and c
 The node-death test is the module's last: the second node stays dead after it."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -42,7 +45,7 @@ from kvtune.search.study import FINISHED, count_taken, counts  # noqa: E402
 from kvtune.store import Store  # noqa: E402
 from kvtune.targets import EngineTarget, LiveOptions  # noqa: E402
 from kvtune.workload import TraceRequest, Workload  # noqa: E402
-from kvtune_cli import kvtune  # noqa: E402
+from kvtune_cli import kvtune, kvtune_main  # noqa: E402
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 SPACE_FLAGS = ["block_size=16", "gpu_memory_utilization=0.3,0.9", "max_num_seqs=2,64", "kv_cache_dtype=auto"]
@@ -326,6 +329,65 @@ def test_stage_1_on_ray_runs_each_trial_asked_once_and_a_rerun_adds_none(cluster
     again = _stage1_search(cluster, trace, db)
     assert "task(s)" not in again.stdout  # the study is full: no task is started
     assert _stage1_state(db) == (state, runs)
+
+
+def _trace(tmp_path):
+    from kvtune.workload import write_workload
+
+    trace = tmp_path / "t.jsonl"
+    write_workload(_workload(), str(trace))
+    return trace
+
+
+# a sim-executor engine of the smallest model: `kvtune run` and `kvtune calibrate` flags
+ENGINE_FLAGS = ["--target", "engine", "--executor", "sim", "--preset", "tiny", "--device", "h100-80gb"]
+
+
+def _on_the_cluster(slot: dict) -> bool:
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return slot["node_id"] in alive and len(slot["gpus"]) == 1
+
+
+def test_kvtune_run_on_ray_starts_its_server_in_a_task_and_stores_its_slot(cluster, pool, tmp_path):
+    db = f"sqlite:///{tmp_path}/r.db"
+    p = kvtune("run", "--ray", cluster.address, *ENGINE_FLAGS, "--workload", _trace(tmp_path),
+               "--scrape-interval", "0.25", "--db", db, "--json", timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    stored = Store(db).load_run(printed["run_id"])
+    assert stored.summary["completed"] == 8
+    assert stored.summary["slot"] == printed["slot"] and _on_the_cluster(stored.summary["slot"])
+    assert stored.summary["slot"]["node_id"][:8] in p.stdout  # the output says where it ran
+
+
+def test_kvtune_calibrate_on_ray_fits_in_a_task_and_stores_the_profile_here(cluster, pool, tmp_path):
+    from kvtune.calibrate import get_profile
+
+    db = f"sqlite:///{tmp_path}/c.db"
+    # the smallest probe set the flags give
+    p = kvtune("calibrate", "--ray", cluster.address, *ENGINE_FLAGS, "--quick", "--max-batch", "2",
+               "--max-prompt", "64", "--name", "onray", "--db", db, "--json", timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    printed = json.loads(p.stdout.strip().splitlines()[-1])
+    profile = get_profile(db, "onray")
+    assert printed["name"] == profile.name == "onray" and profile.target == "engine" and profile.observations
+    assert printed["coefficients"] == profile.to_dict()["coefficients"]  # the profile printed is the one stored
+    nodes = [n["NodeID"][:8] for n in ray.nodes() if n["Alive"]]
+    assert sum(node in p.stderr for node in nodes) == 1  # it ran on one of the cluster's nodes, and says which
+
+
+@pytest.mark.parametrize("command,target", [("run", "http://127.0.0.1:9"), ("run", "sim"),
+                                            ("calibrate", "http://127.0.0.1:9")])
+def test_ray_with_a_target_kvtune_starts_no_server_for_is_refused_before_anything_is_written(
+        command, target, tmp_path, capsys):
+    db = tmp_path / "s.db"
+    workload = ["--workload", _trace(tmp_path)] if command == "run" else []
+    assert kvtune_main(command, "--ray", "127.0.0.1:9", "--target", target, *workload,
+                       "--db", f"sqlite:///{db}") == 2
+    err = capsys.readouterr().err
+    # the one line a user reads names both flags
+    assert "--ray 127.0.0.1:9" in err and f"--target {target} has none" in err and len(err.splitlines()) == 1
+    assert not db.exists()
 
 
 def _parent(pid: int) -> int | None:
