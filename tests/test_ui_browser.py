@@ -159,6 +159,15 @@ def wait_for_page(driver, title: str) -> None:
     raise AssertionError(f"page {title!r} did not render within {PAGE_TIMEOUT_S} s; h1: {titles}")
 
 
+def wait_idle(driver, timeout_s: float = 5) -> None:
+    """Until Streamlit shows no script running (or `timeout_s` passes: a click is then tried anyway)."""
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]'):
+        time.sleep(0.1)
+
+
 def wait_for_text(driver, pattern: str, timeout_s: float = 30) -> None:
     """Until the page's text matches `pattern`: a click's rerun starts a moment after the click returns."""
     from selenium.webdriver.common.by import By
@@ -351,14 +360,15 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
             scrapes = int(found.group(1)) if found else 0
         assert scrapes >= 3, body
         # Stop first: every rerun redraws the chart, and a screenshot mid-redraw shows it blank.
-        for attempt in range(3):  # a click that lands while a rerun replaces the page is lost: click again
+        for attempt in range(6):  # a click that lands while a rerun replaces the page is lost: click again
+            wait_idle(browser)  # between the fragment's timed reruns
             if any(b.text.strip() == "Stop" for b in browser.find_elements(By.CSS_SELECTOR, "button")):
                 click(browser, "Stop")
             try:
-                wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes", timeout_s=10 * (attempt + 1))
+                wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes", timeout_s=4)
                 break
             except AssertionError:
-                if attempt == 2:
+                if attempt == 5:
                     raise
         wait_for_page(browser, "Live")
         shot = tmp_path / "live-watching.png"
