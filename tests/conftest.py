@@ -30,9 +30,15 @@ LONGEST_FIRST = ("test_vllm_real.py", "test_calibrate.py", "test_vllm_sizing.py"
                  "test_signals.py", "test_vllm_differential.py")
 
 
+# The files of `serial` tests go last: while one runs the other worker waits, and at the end it has
+# least left to wait with.
+SERIAL_LAST = ("test_calibrate_live.py",)
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+    rank |= {name: len(rank) + 1 + i for i, name in enumerate(SERIAL_LAST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: each file keeps its order
 
 
 @pytest.hookimpl(hookwrapper=True)
