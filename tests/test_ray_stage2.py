@@ -343,37 +343,39 @@ def _trace(tmp_path):
 ENGINE_FLAGS = ["--target", "engine", "--executor", "sim", "--preset", "tiny", "--device", "h100-80gb"]
 
 
-def _on_the_cluster(slot: dict) -> bool:
-    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    return slot["node_id"] in alive and len(slot["gpus"]) == 1
+def test_kvtune_run_and_calibrate_on_ray_start_their_servers_in_tasks_side_by_side(cluster, pool, tmp_path):
+    """`kvtune run --ray` and `kvtune calibrate --ray` at once, two drivers on a slot each (the cluster
+    has three): the run is stored with its slot on the cluster, and the profile fitted in its task is
+    stored here, each saying where it ran."""
+    from concurrent.futures import ThreadPoolExecutor
 
-
-def test_kvtune_run_on_ray_starts_its_server_in_a_task_and_stores_its_slot(cluster, pool, tmp_path):
-    db = f"sqlite:///{tmp_path}/r.db"
-    p = kvtune("run", "--ray", cluster.address, *ENGINE_FLAGS, "--workload", _trace(tmp_path),
-               "--scrape-interval", "0.25", "--db", db, "--json", timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr
-    printed = json.loads(p.stdout.strip().splitlines()[-1])
-    stored = Store(db).load_run(printed["run_id"])
-    assert stored.summary["completed"] == 8
-    assert stored.summary["slot"] == printed["slot"] and _on_the_cluster(stored.summary["slot"])
-    assert stored.summary["slot"]["node_id"][:8] in p.stdout  # the output says where it ran
-
-
-def test_kvtune_calibrate_on_ray_fits_in_a_task_and_stores_the_profile_here(cluster, pool, tmp_path):
     from kvtune.calibrate import get_profile
 
-    db = f"sqlite:///{tmp_path}/c.db"
-    # the smallest probe set the flags give
-    p = kvtune("calibrate", "--ray", cluster.address, *ENGINE_FLAGS, "--quick", "--max-batch", "2",
-               "--max-prompt", "64", "--name", "onray", "--db", db, "--json", timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    printed = json.loads(p.stdout.strip().splitlines()[-1])
-    profile = get_profile(db, "onray")
+    run_db, calibrate_db = f"sqlite:///{tmp_path}/r.db", f"sqlite:///{tmp_path}/c.db"
+    with ThreadPoolExecutor(2) as both:
+        ran = both.submit(kvtune, "run", "--ray", cluster.address, *ENGINE_FLAGS, "--workload", _trace(tmp_path),
+                          "--scrape-interval", "0.25", "--db", run_db, "--json", timeout=120)
+        # the smallest probe set the flags give
+        fitted = both.submit(kvtune, "calibrate", "--ray", cluster.address, *ENGINE_FLAGS, "--quick",
+                             "--max-batch", "2", "--max-prompt", "64", "--name", "onray", "--db", calibrate_db,
+                             "--json", timeout=180)
+        ran, fitted = ran.result(), fitted.result()
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    printed = json.loads(ran.stdout.strip().splitlines()[-1])
+    stored = Store(run_db).load_run(printed["run_id"])
+    slot = stored.summary["slot"]
+    assert stored.summary["completed"] == 8 and slot == printed["slot"]
+    assert slot["node_id"] in nodes and len(slot["gpus"]) == 1  # one fake GPU of the cluster
+    assert slot["node_id"][:8] in ran.stdout  # the output says where it ran
+
+    assert fitted.returncode == 0, fitted.stdout + fitted.stderr[-3000:]
+    printed = json.loads(fitted.stdout.strip().splitlines()[-1])
+    profile = get_profile(calibrate_db, "onray")
     assert printed["name"] == profile.name == "onray" and profile.target == "engine" and profile.observations
     assert printed["coefficients"] == profile.to_dict()["coefficients"]  # the profile printed is the one stored
-    nodes = [n["NodeID"][:8] for n in ray.nodes() if n["Alive"]]
-    assert sum(node in p.stderr for node in nodes) == 1  # it ran on one of the cluster's nodes, and says which
+    assert sum(node[:8] in fitted.stderr for node in nodes) == 1  # it ran on one of the cluster's nodes, and says which
 
 
 @pytest.mark.parametrize("command,target", [("run", "http://127.0.0.1:9"), ("run", "sim"),
