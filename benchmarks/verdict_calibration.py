@@ -33,7 +33,8 @@ import json
 import sys
 
 import numpy as np
-from kvtune.search.ranking import BETTER, Measurement, choose
+from kvtune.search.measurement import Measurement
+from kvtune.search.ranking import BETTER, choose
 from kvtune.search.slo import parse_slo
 
 SLO = parse_slo("ttft_p95=500ms")  # always met: the objective's mean alone decides

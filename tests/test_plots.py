@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from kvtune.plan import plan_capacity
 from kvtune.report import plots
 from kvtune.results import RunResult
-from kvtune.search.ranking import Measurement
+from kvtune.search.measurement import Measurement
 from kvtune.search.report_data import RunView
 
 SERIES = {"time": [0.0, 0.5, 1.0, 1.5, 2.0], "kv_usage": [0.1, 0.5, None, 0.9, 0.2],

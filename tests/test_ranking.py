@@ -16,6 +16,7 @@ from kvengine.config import EngineConfig, device_preset, model_preset
 
 from kvtune.search import Objective, load_space, parse_slo
 from kvtune.search.advice import describe
+from kvtune.search.measurement import Measurement, meets_in
 from kvtune.search.ranking import (
     BETTER,
     FAILED,
@@ -23,10 +24,8 @@ from kvtune.search.ranking import (
     KEEP_DEFAULT,
     SMALLEST_CHANGE,
     ALPHA,
-    Measurement,
     choose,
     compare,
-    meets_in,
 )
 from kvtune.search.stats import interval
 from kvtune.search.stage2 import (

@@ -83,10 +83,10 @@ class Progress:
 
 
 def measured(trial):
-    """A finished stage-1 trial as a search.ranking.Measurement."""
+    """A finished stage-1 trial as a search.measurement.Measurement."""
     from optuna.trial import TrialState
 
-    from ..search.ranking import Measurement
+    from ..search.measurement import Measurement
 
     attrs, complete = trial.user_attrs, trial.state == TrialState.COMPLETE
     return Measurement("sim", trial.number, dict(trial.params), trial.state.name,

@@ -15,7 +15,8 @@ import math
 import numpy as np
 
 from ..search.report_data import RunView
-from ..search.ranking import SIM_TIE, Measurement, within_tie
+from ..search.measurement import Measurement
+from ..search.ranking import SIM_TIE, within_tie
 from .words import metric_label
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from ..search.report_data import ReportData, RunView
 from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
 from .importance import Importance
 from ..search.advice import describe
-from ..search.ranking import Candidate, Measurement
+from ..search.measurement import Candidate, Measurement
 from .words import metric_label, row_kind, status, value_label, value_text
 
 QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")

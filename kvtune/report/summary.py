@@ -13,7 +13,8 @@ from ..search.report_data import ReportData
 from .document import Block, Bullets, Callout, Code, Heading, Paragraph, Table
 from .launch import LaunchCommand, model_export
 from ..search.advice import headline, where
-from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SIM_TIE, SMALLEST_CHANGE, Candidate, Measurement
+from ..search.measurement import Candidate, Measurement
+from ..search.ranking import BETTER, INCONCLUSIVE, KEEP_DEFAULT, SIM_TIE, SMALLEST_CHANGE
 from .words import (
     GLOSSARY,
     metric_label,

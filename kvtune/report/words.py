@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..search.slo import SLO
 from . import fmt
 from ..search.report_data import StudyInfo
-from ..search.ranking import FAILED_REQUESTS, Measurement, Miss
+from ..search.measurement import FAILED_REQUESTS, Measurement, Miss
 
 OBJECTIVES = {
     "goodput": "goodput: requests per second that meet every SLO",

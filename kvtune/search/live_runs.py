@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..results import RunResult
 from ..store import Store
-from .ranking import SUMMARY_MEANS, Measurement
+from .measurement import SUMMARY_MEANS, Measurement
 from .slo import score
 from .validity import measured_on
 

@@ -1,6 +1,7 @@
 """The one ranking: which config wins, by how much, and whether the evidence says so.
 
-`search --json`, the report and the UI all take their verdict from `choose`.
+`search --json`, the report and the UI all take their verdict from `choose`; what it judges (a
+config's runs, their means and intervals, how it met the SLOs) is measurement.py's.
 
 Stage 2 (the live target) decides whenever it completed a run. Configs are ranked by how
 they met the SLOs (`tier`: in every run, on average only, not at all), then by the
@@ -17,25 +18,33 @@ added while undecided are paid for by dividing the error budget over the looks
 Student-t 95 % intervals of the mean. Of the tied configs shown to beat the reference,
 the cheapest change is recommended (`space.change_cost`: a quantized KV cache last, then
 the fewest flags; the simulator's order breaks a tie, the live means within a tie are
-noise). The reference in the tie: keep it. The reference outside the tie (it misses an SLO) and nothing shown to beat it: the
-smallest change in the tie. Runs whose own evidence is doubtful (client and server
-disagree, the load generator fell behind, the host was saturated, requests failed) make
-the verdict inconclusive. Stage 1 alone (no live stage) is deterministic: configs within
-SIM_TIE of the best are tied, and the same rule applies.
+noise). The reference in the tie: keep it. The reference outside the tie (it misses an
+SLO) and nothing shown to beat it: the smallest change in the tie. Runs whose own evidence
+is doubtful (client and server disagree, the load generator fell behind, the host was
+saturated, requests failed) make the verdict inconclusive. Stage 1 alone (no live stage)
+is deterministic: configs within SIM_TIE of the best are tied, and the same rule applies.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from ..results import SUMMARY_FIGURES
+from .measurement import (
+    EVERY_RUN,
+    MISSED,
+    ON_AVERAGE,
+    Candidate,
+    Measurement,
+    Miss,
+    combine,
+    meets_in,
+    misses,
+    rank_key,
+    tier,
+)
 from .slo import SLO
 from .space import change_cost
-from .stats import Interval, holm, interval, welch
+from .stats import holm, welch
 
-FAILED_REQUESTS = "failed_requests"  # the constraint scoring adds when requests errored
 TOP_SIM_CANDIDATES = 5  # configs compared when no stage 2 ran
 SIM_TIE = 0.02  # stage-1 values this close to the best are one result: the model is not that exact
 MIN_GAIN = 0.02  # a live gain smaller than this is no reason to change flags, however significant
@@ -54,90 +63,6 @@ SMALLEST_CHANGE = "smallest_change"  # the default misses the SLOs; several conf
 INCONCLUSIVE = "inconclusive"  # the evidence cannot be trusted (reasons say why)
 INFEASIBLE = "infeasible"  # nothing met the SLOs
 FAILED = "failed"  # nothing completed (on the stage that was to decide)
-
-
-@dataclass
-class Measurement:
-    """One config measured once: a stage-1 trial (sim) or one stage-2 run (live)."""
-    stage: str  # sim | live
-    number: int  # the trial number; -1 for the target's default when stage 1 never ran it
-    params: dict
-    state: str  # COMPLETE | FAIL | RUNNING | ...
-    values: list[float] | None = None
-    constraints: dict[str, float] = field(default_factory=dict)  # name -> observed - limit (<= 0 ok)
-    run_id: int | None = None
-    reason: str | None = None  # why it failed
-    duplicate_of: int | None = None  # the trial whose measurement this one reused
-    surplus: bool = False  # a slot another process took; never ran
-    goodput_rps: float | None = None
-    throughput_rps: float | None = None
-    observed: dict[str, float | None] = field(default_factory=dict)  # SLO name -> seconds
-    summary: dict = field(default_factory=dict)  # the run's figures: ttft_p95, tpot_p95, ...
-    target: str | None = None  # what ran it: sim, engine, vllm, sglang
-    measured_on: str | None = None  # in words: "the simulator", "vLLM 0.32.0 (cpu)", ...
-    repeat: int = 1  # which run of this config (live)
-    doubts: list[str] = field(default_factory=list)  # why this run's figures may not be trusted
-    slot: dict | None = None  # live on a Ray cluster: the node and GPUs it ran on (cluster.slots.Slot)
-
-    @property
-    def ok(self) -> bool:
-        return self.state == "COMPLETE" and bool(self.values)
-
-    @property
-    def feasible(self) -> bool:
-        return self.ok and all(v <= 0 for v in self.constraints.values())
-
-    @property
-    def value(self) -> float | None:
-        return self.values[0] if self.values else None
-
-    @property
-    def failed_requests(self) -> int:
-        return int(max(self.constraints.get(FAILED_REQUESTS, 0), 0))
-
-
-@dataclass
-class Candidate:
-    """A config, with its stage-1 measurement and its stage-2 runs where they exist."""
-    label: str  # "trial 7" or "vLLM default"
-    params: dict
-    sim: Measurement | None = None
-    live: Measurement | None = None  # the live runs' means (what tables show), or the failed run
-    is_default: bool = False
-    runs: list[Measurement] = field(default_factory=list)  # every live run of this config
-    spread: dict[str, Interval] = field(default_factory=dict)  # value, goodput_rps, an SLO's name... -> interval
-
-    @property
-    def measured(self) -> Measurement | None:
-        """The measurement that counts: live when it completed, else sim."""
-        for m in (self.live, self.sim):
-            if m is not None and m.ok:
-                return m
-        return self.live or self.sim
-
-    def figure(self, key: str, stage: str) -> float | None:
-        """One figure of this config on `stage` (sim or live), the one every table shows: the mean of
-        its live runs' interval where stage 2 measured it (an SLO's figure is its client-side
-        observation), else its measurement's own."""
-        m = self.live if stage == "live" else self.sim
-        if m is None or not m.ok:
-            return None
-        if stage == "live" and key in self.spread:
-            return self.spread[key].mean
-        return getattr(m, key) if key in ("goodput_rps", "throughput_rps") else m.summary.get(key)
-
-
-@dataclass
-class Miss:
-    slo: str  # an SLO's name, or failed_requests
-    observed: float | None  # seconds (a count for failed_requests); None: nothing completed
-    limit: float | None
-
-    @property
-    def ratio(self) -> float | None:
-        if self.observed is None or not self.limit:
-            return None
-        return self.observed / self.limit - 1
 
 
 @dataclass
@@ -161,84 +86,14 @@ class Verdict:
         return self.kind != FAILED
 
 
-def misses(m: Measurement, slos: list[SLO]) -> list[Miss]:
-    out = []
-    for slo in slos:
-        observed = m.observed.get(slo.name)
-        if observed is None or observed > slo.threshold_s:
-            out.append(Miss(slo.name, observed, slo.threshold_s))
-    if m.failed_requests:
-        out.append(Miss(FAILED_REQUESTS, float(m.failed_requests), None))
-    return out
-
-
-def miss_score(m: Measurement, slos: list[SLO]) -> float:
-    """How far a config is from meeting every SLO: the sum of its relative misses."""
-    total = 0.0
-    for miss in misses(m, slos):
-        if miss.slo == FAILED_REQUESTS:
-            total += miss.observed / max(m.summary.get("requests") or 1, 1)
-        else:
-            total += miss.ratio if miss.ratio is not None else 1e3
-    return total
-
-
-def rank_key(m: Measurement, slos: list[SLO]):
-    """Feasible first by the objective (its first value is always maximised), then the nearest misses."""
-    if m.feasible:
-        return (0, -(m.value if m.value is not None and math.isfinite(m.value) else -math.inf), m.number)
-    return (1, miss_score(m, slos), m.number)
-
-
-# ---------------------------------------------------------------- repeats -> one config's figures
-
-SPREAD_KEYS = ("goodput_rps", "throughput_rps")
-SUMMARY_MEANS = SUMMARY_FIGURES  # a config's figures over its repeats: the means of its runs' own
-
-
-def combine(runs: list[Measurement], slos: list[SLO]) -> tuple[Measurement, dict[str, Interval]]:
-    """A config's live runs as one measurement (the means) and the intervals around them."""
-    done = [m for m in runs if m.ok]
-    if not done:
-        return runs[-1], {}
-    spread = {"value": interval([m.value for m in done])}
-    for key in SPREAD_KEYS:
-        spread[key] = interval([getattr(m, key) for m in done])
-    for slo in slos:
-        spread[slo.name] = interval([m.observed.get(slo.name) for m in done])
-    for key in ("ttft_p95", "tpot_p95", "e2e_p95"):
-        spread.setdefault(key, interval([m.summary.get(key) for m in done]))
-    mid = sorted(done, key=lambda m: m.value)[(len(done) - 1) // 2]  # the median run: the one plotted
-    values = [float(np.mean([m.values[i] for m in done])) for i in range(len(done[0].values))]
-    observed = {slo.name: _mean_or_none(spread[slo.name]) for slo in slos}
-    constraints = {slo.name: (observed[slo.name] - slo.threshold_s) if observed[slo.name] is not None else 1e9
-                   for slo in slos}
-    failed = float(np.mean([m.failed_requests for m in done]))
-    if failed:
-        constraints[FAILED_REQUESTS] = failed
-    summary = {k: _mean([m.summary.get(k) for m in done]) for k in SUMMARY_MEANS}
-    doubts = list(dict.fromkeys(d for m in runs for d in m.doubts))
-    merged = Measurement(stage="live", number=mid.number, params=dict(mid.params), state="COMPLETE", values=values,
-                         constraints=constraints, run_id=mid.run_id, goodput_rps=_mean_or_none(spread["goodput_rps"]),
-                         throughput_rps=_mean_or_none(spread["throughput_rps"]), observed=observed, summary=summary,
-                         target=mid.target, measured_on=mid.measured_on, repeat=len(done), doubts=doubts)
-    return merged, {k: v for k, v in spread.items() if v is not None}
-
-
-def _mean(values) -> float | None:
-    xs = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    return float(np.mean(xs)) if xs else None
-
-
-def _mean_or_none(iv: Interval | None) -> float | None:
-    return None if iv is None else iv.mean
-
-
 @dataclass(frozen=True)
 class Test:
     """Whether `a` beats `b`: its tests' smallest p-value, Bonferroni-combined over them, and why."""
     p: float
     why: str
+
+    def reason(self, correction: str = "") -> str:
+        return f"{self.why} (Welch t, one-sided p = {self.p:.2g}{correction})"
 
 
 def compare(a: Candidate, b: Candidate, slos: list[SLO]) -> Test | None:
@@ -274,28 +129,7 @@ def compare(a: Candidate, b: Candidate, slos: list[SLO]) -> Test | None:
 def separated(a: Candidate, b: Candidate, slos: list[SLO], alpha: float = ALPHA) -> str | None:
     """Why `a` beats `b` at level `alpha` (compare's test), or None."""
     test = compare(a, b, slos)
-    if test is None or test.p >= alpha:
-        return None
-    return f"{test.why} (Welch t, one-sided p = {test.p:.2g})"
-
-
-def meets_in(c: Candidate) -> tuple[int, int]:
-    """(runs that met every SLO, runs completed) of a live config."""
-    done = [m for m in c.runs if m.ok]
-    return sum(1 for m in done if m.feasible), len(done)
-
-
-EVERY_RUN, ON_AVERAGE, MISSED = 0, 1, 2  # how a config met the SLOs: `tier`'s values, best first
-
-
-def tier(c: Candidate, stage: str) -> int:
-    """How `c` met the SLOs on `stage`: EVERY_RUN; ON_AVERAGE (its means meet them, some run missed:
-    fragile); MISSED (its means miss them). A simulated trial is one run: it met them or not."""
-    m = c.live if stage == "live" else c.sim
-    if m is None or not m.feasible:
-        return MISSED
-    met, done = meets_in(c) if stage == "live" else (1, 1)
-    return EVERY_RUN if met == done else ON_AVERAGE
+    return None if test is None or test.p >= alpha else test.reason()
 
 
 # ---------------------------------------------------------------- the verdict
@@ -315,15 +149,13 @@ def choose(trials: list[Measurement], live: list[Measurement], slos: list[SLO],
     else:
         verdict, shown = _sim_verdict(sim_done, pair, default, slos)
     verdict.default_params, verdict.reference = default_params, default_label
-    candidates = [c for c in shown if not c.is_default]
-    return verdict, _unique(candidates) + [default], default
+    return verdict, _unique([c for c in shown if not c.is_default]) + [default], default
 
 
 def _live_verdict(live, pair, default, slos, sim_done, alpha: float):
     configs = _unique([pair(m.params) for m in live])
     done = [c for c in configs if c.live is not None and c.live.ok]
-    shown = sorted(configs, key=lambda c: (c.live is None or not c.live.ok, tier(c, "live"),
-                                           rank_key(c.live, slos) if c.live is not None and c.live.ok else 0))
+    shown = sorted(configs, key=lambda c: (0, tier(c, "live"), rank_key(c.live, slos)) if c in done else (1,))
     if not done:
         reasons = list(dict.fromkeys(f"{c.label}: {m.reason}" for c in configs for m in c.runs if m.reason))
         return Verdict("live", None, None, kind=FAILED, reasons=reasons or ["no live run completed"]), shown
@@ -370,12 +202,11 @@ def _holm_beating(slos: list[SLO], alpha: float):
     def beating(tied: list[Candidate], default: Candidate) -> dict:
         tests = {id(c): compare(c, default, slos) for c in tied}
         ps = {key: t.p for key, t in tests.items() if t is not None}
-        rejected = holm(ps, alpha)
         n = len(tied)
-        return {id(c): f"{tests[id(c)].why} (Welch t, one-sided p = {tests[id(c)].p:.2g}; Holm over {n} "
-                       f"comparison{'s' if n != 1 else ''} with {default.label} at α = {alpha:.2g}, "
-                       f"{ALPHA:.0%} split over stage 2's looks)"
-                for c in tied if id(c) in rejected}
+        holm_said = (f"; Holm over {n} comparison{'s' if n != 1 else ''} with {default.label} at α = {alpha:.2g}, "
+                     f"{ALPHA:.0%} split over stage 2's looks")
+        rejected = holm(ps, alpha)
+        return {id(c): tests[id(c)].reason(holm_said) for c in tied if id(c) in rejected}
     return beating
 
 
@@ -403,15 +234,12 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     """The tie rule, on configs best first (by `tier`, then their measurement on `stage`). `beats(a, b)`
     says why a beats b or None; `beating(tied, default)`, where given, which tied configs beat the
     default ({id: why}) when they are tested together (live: Holm over them)."""
-    def on(c):
-        return c.live if stage == "live" else c.sim
-
     leader = ordered[0]
     if tier(leader, stage) == MISSED:
-        return Verdict(stage, None, leader, misses(on(leader), slos), kind=INFEASIBLE, leader=leader,
+        return Verdict(stage, None, leader, misses(leader.on(stage), slos), kind=INFEASIBLE, leader=leader,
                        reasons=["no config met every SLO"])
     tied = [c for c in ordered if tier(c, stage) == tier(leader, stage) and beats(leader, c) is None]
-    fragile = [c for c in ordered if tier(c, stage) == ON_AVERAGE and on(c).value > on(leader).value]
+    fragile = [c for c in ordered if tier(c, stage) == ON_AVERAGE and c.on(stage).value > leader.on(stage).value]
     verdict = Verdict(stage, None, None, kind=BETTER, leader=leader, tied=tied, fragile=fragile)
     default_in = next((c for c in ordered if c.is_default), None)
     if default_in is not None and default_in in tied:
@@ -419,7 +247,7 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
         verdict.reasons = [f"no config beats {default.label} by a Welch t-test at the error budget" if stage == "live"
                            else f"no config beats {default.label} by more than {SIM_TIE:.0%} on the simulator"]
         return verdict
-    if default_in is None or not on(default_in).ok:
+    if default_in is None or not default_in.on(stage).ok:
         verdict.recommended = _simplest(tied, default, slos)
         verdict.reasons = [f"{default.label} did not complete a run" if stage == "live" else
                            f"{default.label} was not measured"]
@@ -453,16 +281,8 @@ def _simplest(configs: list[Candidate], default: Candidate, slos: list[SLO]) -> 
 
 def _doubts(verdict: Verdict, default: Candidate) -> list[str]:
     """Doubts of the runs that decided: the recommended config's, the leader's and the default's."""
-    seen = []
-    for c in (verdict.recommended, verdict.leader, default):
-        if c is None:
-            continue
-        for m in c.runs:
-            for d in m.doubts:
-                line = f"{c.label}, run {m.repeat}: {d}"
-                if line not in seen:
-                    seen.append(line)
-    return seen
+    return list(dict.fromkeys(f"{c.label}, run {m.repeat}: {d}" for c in (verdict.recommended, verdict.leader, default)
+                              if c is not None for m in c.runs for d in m.doubts))
 
 
 def _pairing(trials: list[Measurement], live: list[Measurement], default_params: dict | None, slos: list[SLO],
@@ -483,9 +303,5 @@ def _pairing(trials: list[Measurement], live: list[Measurement], default_params:
 
 
 def _unique(candidates: list[Candidate]) -> list[Candidate]:
-    seen, out = [], []
-    for c in candidates:
-        if c.params not in seen:
-            seen.append(c.params)
-            out.append(c)
-    return out
+    """The first candidate of each config (params), in order."""
+    return [c for i, c in enumerate(candidates) if all(c.params != d.params for d in candidates[:i])]

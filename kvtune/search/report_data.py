@@ -17,7 +17,8 @@ from .live_runs import live_runs
 from .study import open_storage
 from .validity import measured_on
 from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
-from .ranking import Candidate, Measurement, Verdict, choose
+from .measurement import Candidate, Measurement
+from .ranking import Verdict, choose
 
 class ReportError(ValueError):
     """The study cannot be reported: its database is missing, or the study is unknown or empty."""

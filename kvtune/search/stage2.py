@@ -34,6 +34,7 @@ from ..stopping import failure_reason
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
 from .live_runs import LIVE_LABEL, live_measurement, live_runs
+from .measurement import Measurement, combine
 from .objective import Objective
 from .ranking import (
     BETTER,
@@ -41,9 +42,7 @@ from .ranking import (
     INCONCLUSIVE,
     INFEASIBLE,
     SIM_TIE,
-    Measurement,
     choose,
-    combine,
     within_tie,
 )
 from .slo import Score, diagnosis_thresholds
@@ -58,7 +57,7 @@ NAMED_TWINS = 4  # a note names this many of the trials a live candidate stands 
 @dataclass
 class LiveConfig:
     """A config the live stage runs: its label, stage 1's trial number (DEFAULT_NUMBER for a default
-    stage 1 never ran) and its knobs. Its measurements become ranking.Candidate's runs."""
+    stage 1 never ran) and its knobs. Its measurements become measurement.Candidate's runs."""
     label: str  # "default" or "trial 17"
     number: int
     params: dict
@@ -147,11 +146,10 @@ def _results(ranked: list) -> list[list]:
     """Stage 1's ranked trials grouped into results (`same_result` with the group's first), best first."""
     groups: list[list] = []
     for trial in ranked:
-        group = next((g for g in groups if same_result(g[0], trial)), None)
-        if group is None:
-            groups.append([trial])
-        else:
-            group.append(trial)
+        group = next((g for g in groups if same_result(g[0], trial)), [])
+        if not group:
+            groups.append(group)
+        group.append(trial)
     return groups
 
 
@@ -196,25 +194,18 @@ def default_params(space: SearchSpace, default: EngineConfig) -> dict:
 
 def representable(space: SearchSpace, params: dict) -> bool:
     """Whether Optuna can take these params as a trial of this space."""
-    for knob in space.knobs:
-        value = params[knob.name]
-        if knob.choices is not None and value not in knob.choices:
-            return False
-        if knob.choices is None and not knob.low <= value <= knob.high:
-            return False
-    return True
+    return all(params[k.name] in k.choices if k.choices is not None else k.low <= params[k.name] <= k.high
+               for k in space.knobs)
 
 
 def run_stage2(run, candidates: list[LiveConfig], space: SearchSpace, base: EngineConfig, workload,
                objective: Objective, store: Store, study: str, plan: LivePlan | None = None,
                on_result=None, simulator: Simulator | None = None,
                number_of: Callable[[dict, int], int | None] | None = None, pool=None) -> list[LiveOutcome]:
-    """The race, then the descent: once a config is shown `better`, its steps back towards the
-    default on a knob of discrete values (`space.steps_toward`, the smallest change first) enter one
-    at a time, `repeats` runs each, and the one ranking judges again; a step it recommends is the new
-    winner, whose own steps follow, until none is left. `number_of(params, winner)`: the stage-1 trial
-    number of a step of trial `winner` (None: it failed in the simulator, and is not run); without it
-    there is no descent.
+    """The race, then the descent (the module's docstring): the winner's steps (`space.steps_toward`)
+    enter one at a time; a step the one ranking recommends is the new winner, whose own steps follow,
+    until none is left. `number_of(params, winner)`: the stage-1 trial number of a step of trial
+    `winner` (None: it failed in the simulator, and is not run); without it there is no descent.
     Each run's diagnoses are stored with it, their fixes first tried on `simulator`. A resumed search
     continues where the stored runs of `study` stop: a config's completed runs count as its first
     repeats and against the budget, as if the search had not been interrupted.
@@ -296,10 +287,9 @@ class _Race:
 
     def _within_budget(self, wave: list[list[LiveConfig]]) -> list[list[LiveConfig]]:
         """The wave's runs, in order, as far as the live budget goes."""
-        room = None if self.plan.budget is None else max(self.plan.budget - len(self.outcomes), 0)
-        if room is None:
+        if self.plan.budget is None:
             return wave
-        kept = []
+        room, kept = max(self.plan.budget - len(self.outcomes), 0), []
         for rnd in wave:
             kept.append(rnd[:room])
             room -= len(kept[-1])
@@ -312,19 +302,18 @@ class _Race:
         if self.pool is None:
             for i, rnd in enumerate(wave):
                 for cand in rnd:
-                    self._add(cand, first + i)
+                    self._record(self._run_once(cand, first + i))
             return
-        started = [[_started(cand, first + i, self.store, self.study) for cand in rnd] for i, rnd in enumerate(wave)]
+        started = [[self._started(cand, first + i) for cand in rnd] for i, rnd in enumerate(wave)]
         started = [rnd for rnd in started if rnd]
 
         def on_round(i: int, runs, error: str | None) -> None:
             for outcome, run in zip(started[i], runs or [None] * len(started[i])):
                 if error is not None or run.error is not None:
-                    _failed(outcome, error or run.error, self.store)
+                    self._failed(outcome, error or run.error)
                     outcome.slot_lost = error is not None
                 else:
-                    _finished(outcome, run.values, run.score, run.result, self.objective, self.store, self.study,
-                              self.simulator)
+                    self._finished(outcome, run.values, run.score, run.result)
                 self._record(outcome)
 
         configs = [[self.space.config(o.candidate.params, self.base) for o in rnd] for rnd in started]
@@ -336,18 +325,60 @@ class _Race:
                 self.store.mark_run(outcome.run_id, "failed", failure_reason(err))
             raise
 
-    def _add(self, cand: LiveConfig, repeat: int) -> None:
-        self._record(_run_once(self.run, cand, repeat, self.space.config(cand.params, self.base), self.workload,
-                               self.objective, self.store, self.study, self.simulator))
+    def _run_once(self, cand: LiveConfig, repeat: int) -> LiveOutcome:
+        config = self.space.config(cand.params, self.base)
+        outcome = self._started(cand, repeat)
+        try:
+            values, sc, result = self.objective.evaluate(self.run, config, self.workload)
+        except (TargetStartError, TargetRunError) as err:
+            return self._failed(outcome, str(err))
+        except BaseException as err:  # a signal, Ctrl-C: the row says so, and a resume runs it again
+            self.store.mark_run(outcome.run_id, "failed", failure_reason(err))
+            raise
+        return self._finished(outcome, values, sc, result)
+
+    def _started(self, cand: LiveConfig, repeat: int) -> LiveOutcome:
+        """A run's outcome with its row: from the start, so an interrupted run stays in the study as a
+        failed one, with why."""
+        outcome = LiveOutcome(cand, repeat)
+        outcome.run_id = self.store.start_run("live", "", "", config={"params": cand.params}, label=_label(outcome),
+                                              study=self.study, trial=cand.number)
+        return outcome
+
+    def _failed(self, outcome: LiveOutcome, error: str) -> LiveOutcome:
+        cand = outcome.candidate
+        outcome.error = error
+        self.store.mark_run(outcome.run_id, "failed", error)
+        outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
+                                          reason=error, repeat=outcome.repeat)
+        return outcome
+
+    def _finished(self, outcome: LiveOutcome, values, sc: Score, result) -> LiveOutcome:
+        """A completed run stored with its scores, doubts and diagnoses."""
+        cand = outcome.candidate
+        outcome.values, outcome.score = values, sc
+        result.summary["score"] = sc.as_dict() | {"values": values}
+        result.summary["doubts"] = run_doubts(result, sc)
+        result.summary["repeat"] = outcome.repeat
+        self.store.save_run(result, study=self.study, trial=cand.number, label=_label(outcome), run_id=outcome.run_id)
+        thresholds = diagnosis_thresholds(list(self.objective.slos))
+        self.store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, self.simulator, self.objective.slos))
+        outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
+        return outcome
 
     def _record(self, outcome: LiveOutcome) -> None:
+        """Keep a run, rewrite its config's row in the trials table (the means of its completed runs so
+        far), and tell `on_result`."""
         cand = outcome.candidate
         self.outcomes.append(outcome)
-        _save_config_row(self.store, self.study, cand, [o for o in self.outcomes if o.candidate is cand],
-                         self.objective)
+        merged, _ = combine([o.measurement for o in self.outcomes if o.candidate is cand], list(self.objective.slos))
+        if merged.ok:
+            self.store.save_trial(self.study, cand.number, "live", "COMPLETE", cand.params, values=merged.values,
+                                  constraints=merged.constraints, run_id=merged.run_id)
+        else:
+            self.store.save_trial(self.study, cand.number, "live", "FAIL", cand.params, reason=merged.reason)
         if self.on_result:
             self.on_result(outcome)
-
 
 def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[LiveOutcome]:
     """Stored completed runs as the outcomes of the candidates they ran, numbered 1, 2, ... per config."""
@@ -356,68 +387,10 @@ def _resumed(candidates: list[LiveConfig], stored: list[Measurement]) -> list[Li
         cand = next((c for c in candidates if c.params == m.params), None)
         if cand is None:
             continue
-        repeat = sum(o.candidate is cand for o in outcomes) + 1
-        m.repeat = repeat
-        outcomes.append(LiveOutcome(cand, repeat, m.values, run_id=m.run_id, measurement=m))
+        m.repeat = sum(o.candidate is cand for o in outcomes) + 1
+        outcomes.append(LiveOutcome(cand, m.repeat, m.values, run_id=m.run_id, measurement=m))
     return outcomes
-
-
-def _run_once(run, cand: LiveConfig, repeat: int, config: EngineConfig, workload, objective: Objective,
-              store: Store, study: str, simulator: Simulator | None) -> LiveOutcome:
-    outcome = _started(cand, repeat, store, study)
-    try:
-        values, sc, result = objective.evaluate(run, config, workload)
-    except (TargetStartError, TargetRunError) as err:
-        return _failed(outcome, str(err), store)
-    except BaseException as err:  # a signal, Ctrl-C: the row says so, and a resume runs it again
-        store.mark_run(outcome.run_id, "failed", failure_reason(err))
-        raise
-    return _finished(outcome, values, sc, result, objective, store, study, simulator)
 
 
 def _label(outcome: LiveOutcome) -> str:
     return f"{LIVE_LABEL} {outcome.candidate.label} #{outcome.repeat}"
-
-
-def _started(cand: LiveConfig, repeat: int, store: Store, study: str) -> LiveOutcome:
-    """A run's outcome with its row: from the start, so an interrupted run stays in the study as a
-    failed one, with why."""
-    outcome = LiveOutcome(cand, repeat)
-    outcome.run_id = store.start_run("live", "", "", config={"params": cand.params}, label=_label(outcome),
-                                     study=study, trial=cand.number)
-    return outcome
-
-
-def _failed(outcome: LiveOutcome, error: str, store: Store) -> LiveOutcome:
-    cand = outcome.candidate
-    outcome.error = error
-    store.mark_run(outcome.run_id, "failed", error)
-    outcome.measurement = Measurement("live", cand.number, dict(cand.params), "FAIL", run_id=outcome.run_id,
-                                      reason=error, repeat=outcome.repeat)
-    return outcome
-
-
-def _finished(outcome: LiveOutcome, values, sc: Score, result, objective: Objective, store: Store, study: str,
-              simulator: Simulator | None) -> LiveOutcome:
-    """A completed run stored with its scores, doubts and diagnoses."""
-    cand = outcome.candidate
-    outcome.values, outcome.score = values, sc
-    result.summary["score"] = sc.as_dict() | {"values": values}
-    result.summary["doubts"] = run_doubts(result, sc)
-    result.summary["repeat"] = outcome.repeat
-    store.save_run(result, study=study, trial=cand.number, label=_label(outcome), run_id=outcome.run_id)
-    thresholds = diagnosis_thresholds(list(objective.slos))
-    store.save_diagnoses(outcome.run_id, diagnosed(result, thresholds, simulator, objective.slos))
-    outcome.measurement = live_measurement(cand.number, cand.params, outcome.run_id, result)
-    return outcome
-
-
-def _save_config_row(store: Store, study: str, cand: LiveConfig, outcomes: list[LiveOutcome], objective) -> None:
-    """The config's row in the trials table: the means of its completed runs so far."""
-    runs = [o.measurement for o in outcomes]
-    merged, _ = combine(runs, list(objective.slos))
-    if merged.ok:
-        store.save_trial(study, cand.number, "live", "COMPLETE", cand.params, values=merged.values,
-                         constraints=merged.constraints, run_id=merged.run_id)
-    else:
-        store.save_trial(study, cand.number, "live", "FAIL", cand.params, reason=merged.reason)

@@ -32,7 +32,7 @@ from ..targets import TargetRunError, TargetStartError
 from ..stopping import failure_reason, interruption
 from ..workload import rate_scale
 from .objective import Objective
-from .ranking import Measurement
+from .measurement import Measurement
 from .slo import SLO, study_slos_from_attrs
 from .space import SearchSpace, check_config
 

@@ -11,7 +11,8 @@ from kvtune.report.launch import launch_commands, model_export
 from kvtune.results import engine_config
 from kvtune.report.sections import trial_note
 from kvtune.search.advice import describe
-from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE, Candidate, Measurement
+from kvtune.search.measurement import Candidate, Measurement
+from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE
 from kvtune.report.words import (
     metric_label,
     miss_text,
