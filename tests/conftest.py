@@ -9,13 +9,32 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def ui_database(tmp_path_factory):
     """The UI tests' database (tests/test_ui.py's seed_database: sim runs, a live run on a real engine,
     a real search, a staged study), seeded once for test_ui.py and test_ui_browser.py. Both only read
-    it; a test that writes works on a copy."""
+    it; a test that writes works on a copy. Under pytest-xdist the two files may run on two workers:
+    the first to get here seeds it in the run's shared folder, under a lock, and the other reads it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _seeded_ui_database(tmp_path_factory.mktemp("ui"))
+    import dataclasses
+    import fcntl
+    import json
+
+    from test_ui import Seeded
+    folder = tmp_path_factory.getbasetemp().parent / "kvtune-ui"  # the run's, both workers'
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        seeded = folder / "seeded.json"
+        if not seeded.exists():
+            seeded.write_text(json.dumps(dataclasses.asdict(_seeded_ui_database(folder))))
+        return Seeded(**json.loads(seeded.read_text()))
+
+
+def _seeded_ui_database(folder):
     from serverproc import ServerProcess
     from test_ui import DEVICE, PRESET, seed_database
 
     server = ServerProcess("--executor", "sim", "--preset", PRESET, "--device", DEVICE)
     try:
-        return seed_database(tmp_path_factory.mktemp("ui"), server.url)
+        return seed_database(folder, server.url)
     finally:
         server.stop()
 
