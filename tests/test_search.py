@@ -16,7 +16,7 @@ from kvtune.search.study import mark_started
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
-from kvtune_cli import kvtune
+from kvtune_cli import kvtune, kvtune_main
 
 
 def busy_workload(n=120, rate=40.0) -> Workload:
@@ -43,7 +43,14 @@ def test_a_known_best_config_is_found(tmp_path):
     assert throughputs == sorted(throughputs) and throughputs[0] < throughputs[-1]  # the construction holds
 
 
-def test_search_cli_end_to_end_and_resume_extends(tmp_path):
+def refused(capsys, *argv) -> str:
+    """`kvtune ARGV` run in this process (a refusal needs no interpreter of its own): exit 2, its stderr.
+    kvtune's own refusal: one of argparse's (a mistyped command line, its usage naming every flag) raises."""
+    assert kvtune_main(*argv) == 2
+    return capsys.readouterr().err
+
+
+def test_search_cli_end_to_end_and_resume_extends(tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
     write_workload(busy_workload(60, 20.0), str(trace))
     db = f"sqlite:///{tmp_path}/s.db"
@@ -61,11 +68,11 @@ def test_search_cli_end_to_end_and_resume_extends(tmp_path):
     assert len([t for t in study.trials if t.state.is_finished()]) == 16
     assert study.trials[0].params == {"block_size": 16, "gpu_memory_utilization": 0.92, "max_num_seqs": 256,
                                       "kv_cache_dtype": "auto"}  # vLLM's default goes first
-    p = kvtune(*args[:-4], "--slo", "ttft_p95=1s", "--study", "cli", "--no-report", "--trials", "20")
-    assert p.returncode == 2 and "created with slos" in p.stderr
+    assert "created with slos" in refused(capsys, *args[:-4], "--slo", "ttft_p95=1s", "--study", "cli",
+                                          "--no-report", "--trials", "20")
 
 
-def test_a_closed_loop_search_keeps_its_concurrency_and_refuses_another_on_resume(tmp_path):
+def test_a_closed_loop_search_keeps_its_concurrency_and_refuses_another_on_resume(tmp_path, capsys):
     """`--max-concurrency` reaches every stage-1 run (no run has more in flight), is part of the
     study (a resume with another is refused), and has no rate for the capacity objective to scale."""
     trace = tmp_path / "t.jsonl"
@@ -78,13 +85,12 @@ def test_a_closed_loop_search_keeps_its_concurrency_and_refuses_another_on_resum
     store = Store(db)
     runs = [store.load_run(r.id) for r in store.list_runs()]
     assert runs and all(max(run.series["num_running"]) + max(run.series["num_waiting"]) <= 3 for run in runs)
-    p = kvtune(*args, "--max-concurrency", "8")
-    assert p.returncode == 2 and "max_concurrency 3" in p.stderr
-    p = kvtune(*args[:-4], "--study", "cap", "--objective", "capacity", "--max-concurrency", "3")
-    assert p.returncode == 2 and "--max-concurrency" in p.stderr
+    assert "max_concurrency 3" in refused(capsys, *args, "--max-concurrency", "8")
+    err = refused(capsys, *args[:-5], "--study", "cap", "--objective", "capacity", "--max-concurrency", "3")
+    assert "--max-concurrency" in err and "capacity" in err
 
 
-def test_a_baseline_is_what_every_config_changes_and_what_the_verdict_compares_with(tmp_path):
+def test_a_baseline_is_what_every_config_changes_and_what_the_verdict_compares_with(tmp_path, capsys):
     """--baseline-args: the operator's deployment is trial 0 (the default's place), the verdict names it
     "the baseline", a resume with another baseline is refused, and a flag that is no knob is refused."""
     trace = tmp_path / "t.jsonl"
@@ -98,18 +104,17 @@ def test_a_baseline_is_what_every_config_changes_and_what_the_verdict_compares_w
     assert study.trials[0].params["block_size"] == 32 and study.trials[0].params["max_num_seqs"] == 64
     assert study.user_attrs["baseline_args"] == "--block-size 32 --max-num-seqs 64"
     assert "the baseline" in p.stdout and "\n  baseline " in p.stdout  # the verdict and the table name it
-    p = kvtune(*args, "--baseline-args", "--block-size 16")
-    assert p.returncode == 2 and "baseline_args" in p.stderr
-    p = kvtune(*args[:-6], "--study", "other", "--baseline-args=--enforce-eager")  # one flag: the = form
-    assert p.returncode == 2 and "--baseline-args: --enforce-eager is not a KV-cache or scheduler flag" in p.stderr
+    assert "baseline_args" in refused(capsys, *args, "--baseline-args", "--block-size 16")
+    err = refused(capsys, *args[:-6], "--study", "other", "--baseline-args=--enforce-eager")  # one flag: the = form
+    assert "--baseline-args: --enforce-eager is not a KV-cache or scheduler flag" in err
     # a baseline whose pool is fixed in bytes: a utilisation would change nothing, so none is searched
     p = kvtune(*args[:-6], "--study", "fixed", "--trials", "3", "--baseline-args", "--kv-cache-memory-bytes 2GiB")
     assert p.returncode == 0, p.stderr
     fixed = optuna.load_study(study_name="fixed", storage=db)
     assert fixed.trials and not any("gpu_memory_utilization" in t.params for t in fixed.trials)
-    p = kvtune(*args[:-6], "--study", "asked", "--space", "gpu_memory_utilization=0.8:0.9:0.05",
-               "--baseline-args", "--kv-cache-memory-bytes 2GiB")
-    assert p.returncode == 2 and "gpu_memory_utilization" in p.stderr
+    assert "gpu_memory_utilization" in refused(capsys, *args[:-6], "--study", "asked", "--space",
+                                               "gpu_memory_utilization=0.8:0.9:0.05",
+                                               "--baseline-args", "--kv-cache-memory-bytes 2GiB")
 
 
 def test_nothing_meets_the_slos_is_said_not_crashed(tmp_path):
@@ -182,14 +187,14 @@ def test_two_processes_share_one_sqlite_study(tmp_path):
     db = f"sqlite:///{tmp_path}/s.db"
     Store(db)  # schema first, so the two processes do not race to create it
     args = [sys.executable, "-m", "kvtune", "search", "--workload", str(trace), "--device", "l4-24gb",
-            "--max-model-len", "4096", "--objective", "throughput", "--trials", "24", "--target", "none",
+            "--max-model-len", "4096", "--objective", "throughput", "--trials", "16", "--target", "none",
             "--db", db, "--study", "shared", "--no-report"]
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     study = optuna.load_study(study_name="shared", storage=db)
     counted = [t for t in study.trials if t.state.is_finished() and not t.user_attrs.get("surplus")]
-    assert len(counted) == 24
+    assert len(counted) == 16
     numbers = [t.number for t in study.trials]
     assert len(numbers) == len(set(numbers))
     runs = Store(db).list_runs(study="shared", limit=1000)
