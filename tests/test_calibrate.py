@@ -470,42 +470,38 @@ def test_an_empty_store_says_how_to_make_a_profile(tmp_path):
         load_cost_profile(f"sqlite:///{tmp_path}/empty.db", "nope")
 
 
-def test_run_and_search_use_a_stored_profile(tmp_path):
-    """`--profile NAME` puts the fitted coefficients (and their model/device) into the sim target."""
-    import json
-    import subprocess
-    import sys
-
+def test_run_and_search_use_a_stored_profile(tmp_path, capsys):
+    """`--profile NAME` puts the fitted coefficients (and their model/device) into the sim target. The
+    commands run in this process (`kvtune.cli.main`: the same parser, dispatch and errors)."""
     from kvengine.config import device_preset, model_preset
     from kvengine.executor.cost import CostCoefficients, StepCost
     from kvtune.calibrate import CalibrationProfile, save_profile
     from kvtune.workload import TraceRequest, Workload, write_workload
+    from kvtune_cli import kvtune_main
 
     db = f"sqlite:///{tmp_path}/p.db"
     slow = CostCoefficients(memory_efficiency=0.4, step_overhead_s=0.004)
     save_profile(db, CalibrationProfile(name="slow-a10", model="llama-3-8b", device="a10-24gb", coefficients=slow))
     trace = tmp_path / "t.jsonl"
     write_workload(Workload([TraceRequest(0.0, 1000, 3)]), str(trace))
-    p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "slow-a10",
-                        "--db", db, "--json"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert kvtune_main("run", "--workload", trace, "--profile", "slow-a10", "--db", db, "--json") == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
     cost = StepCost.build(model_preset("llama-3-8b"), device_preset("a10-24gb"), "auto", 16, slow)
     assert summary["ttft_p50"] == pytest.approx(cost.step_time(StepShape(1000, 1, 1000, 1000 * 1001 // 2, 1, 1)))
-    assert "a10-24gb" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "kvtune", "run", "--workload", str(trace), "--profile", "nope",
-                        "--db", db], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "nope" in p.stderr and "slow-a10" in p.stderr
+    assert "a10-24gb" in out
+    assert kvtune_main("run", "--workload", trace, "--profile", "nope", "--db", db) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "slow-a10" in err
     # A search trying fp8 with a profile that never timed a quantized cache says so; one that did, not.
     save_profile(db, CalibrationProfile(name="timed-fp8", model="llama-3-8b", device="a10-24gb", coefficients=slow,
                                         fit={"dequant": {"kv_cache_dtype": "fp8"}}))
     for name, noted in (("slow-a10", True), ("timed-fp8", False)):
-        p = subprocess.run([sys.executable, "-m", "kvtune", "search", "--workload", str(trace), "--profile", name,
-                            "--db", db, "--target", "none", "--trials", "2", "--no-report",
-                            "--space", "kv_cache_dtype=auto,fp8"], capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr
-        assert ("did not time a quantized KV cache, so stage 1 prices fp8 at its bytes alone" in p.stdout) == noted
-        assert ("--quantized-kv fp8" in p.stdout) == noted
+        assert kvtune_main("search", "--workload", trace, "--profile", name, "--db", db, "--target", "none",
+                           "--trials", "2", "--no-report", "--study", name, "--space", "kv_cache_dtype=auto,fp8") == 0
+        out = capsys.readouterr().out
+        assert ("did not time a quantized KV cache, so stage 1 prices fp8 at its bytes alone" in out) == noted
+        assert ("--quantized-kv fp8" in out) == noted
 
 
 def test_a_second_probe_run_on_the_same_server_hits_no_cached_prefix(tmp_path):
