@@ -1,15 +1,15 @@
 """The observability stack against the real Prometheus server on loopback.
 
 One Prometheus (tests/promserver.py: the project's prometheus.yml pointed at the test's servers,
-alerts.yml as its rules, 1 s scrapes and evaluations) scrapes kvengine servers and a real vLLM:
+alerts.yml as its rules, 1 s scrapes and evaluations) scrapes kvengine servers:
 - the dashboard's Job and Model variables offer the server's job and model, and every PromQL query
   of every panel in dashboards/grafana/kvtune.json returns data in the panel's unit, against
-  kvengine under load and against vLLM under load;
+  kvengine under load (against a real vLLM under load: tests/test_vllm_real.py, on that module's
+  shared server, with these helpers);
 - the fault-card alerts go pending or firing on a KV pool that is too small for its load, and stay
   inactive on a roomy one;
 - kvtune.scrape.prometheus_api.read_range rebuilds, from Prometheus, the RunResult that a live
   scrape of the server gives.
-vLLM (30-90 s to start) is started at the beginning of the module, beside the kvengine tests.
 """
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ import asyncio
 import json
 import math
 import re
-import shlex
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
@@ -31,14 +29,10 @@ import pytest
 from kvtune.targets.watch import result_from_scrape
 from kvtune.scrape import ScrapeError, Scraper
 from kvtune.scrape.prometheus_api import read_range
-from kvtune.targets.process import ManagedServer
-from kvtune.targets.servers import SERVED_NAME, VLLM_MODULE, default_vllm_command
-from promserver import ROOT, PromServer, prometheus_binary, rules_copy, running_prometheus, wait_for
+from promserver import PromServer, prometheus_binary, rules_copy, running_prometheus, wait_for
 import grafana
 from grafana import dashboard, panel_queries
 from serverproc import ServerProcess, free_port, scrape
-from vllmserver import ENV as VLLM_ENV
-from vllmserver import START_TIMEOUT_S, TEST_ARGS, vllm_command
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +52,6 @@ TEST_FOR = "1s"
 ALERT_PANELS = {
     ("Fault-card alert state", "A"): "ALERTS has series only while an alert is pending or firing",
     ("Active fault-card alerts", "A"): "ALERTS has series only while an alert is pending or firing",
-}
-KVENGINE_ONLY = {
-    ("Free and Cached KV Blocks", "A"): "kvengine:num_free_blocks is the bundled engine's extra; vLLM has none",
-    ("Free and Cached KV Blocks", "B"): "kvengine:num_cached_blocks is the bundled engine's extra",
-    ("Free and Cached KV Blocks", "C"): "kvengine:num_gpu_blocks is the bundled engine's extra",
-    ("Prefix Cache Evictions", "A"): "kvengine:prefix_cache_evictions_total is the bundled engine's extra",
 }
 
 
@@ -206,75 +194,12 @@ def panel_problems(prom: PromServer, board: dict, job: str, model: str, start: f
 
 
 # ----------------------------------------------------------------------------------------------
-# Servers: vLLM started in the background at once, the engines, one Prometheus.
-
-class BackgroundVllm:
-    """The tiny Llama checkpoint written and vLLM started on a thread, so the kvengine tests run
-    while it loads; `url()` waits for it and raises what went wrong."""
-
-    def __init__(self, workdir: Path):
-        self.port = free_port()
-        self.workdir = workdir
-        self.server: ManagedServer | None = None
-        self.error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._start, daemon=True)
-        self._thread.start()
-
-    def _start(self) -> None:
-        try:
-            checkpoint = self.workdir / "tiny-llama"
-            # A subprocess: torch and transformers stay out of the test process.
-            subprocess.run([sys.executable, str(ROOT / "tests" / "checkpoint.py"), str(checkpoint)],
-                           check=True, capture_output=True, timeout=300)
-            command = [*shlex.split(default_vllm_command()), "--model", str(checkpoint), "--host", "127.0.0.1",
-                       "--port", str(self.port), "--served-model-name", SERVED_NAME, "--max-model-len", "1024",
-                       "--block-size", "32", *TEST_ARGS.split()]
-            self.server = ManagedServer(command, self.port, START_TIMEOUT_S, env=VLLM_ENV, log_dir=str(self.workdir))
-            if not self._stopping.is_set():
-                self.server.start()
-        except BaseException as err:  # the test that needs vLLM raises it
-            self.error = err
-
-    def url(self) -> str:
-        self._thread.join(START_TIMEOUT_S + 300)
-        if self.error is not None:
-            raise self.error
-        return self.server.url
-
-    def stop(self) -> None:
-        """Ends vLLM at once, started or still starting (its start then fails and the thread ends)."""
-        self._stopping.set()
-        for _ in range(2):  # again once the thread is done: it may have started vLLM meanwhile
-            if self.server is not None:
-                self.server.stop()
-            self._thread.join(60)
-
-
-def vllm_venv_present() -> bool:
-    command = shlex.split(default_vllm_command())
-    return VLLM_MODULE in command and Path(command[0]).is_file()
-
+# Servers: the engines, one Prometheus.
 
 @pytest.fixture(scope="module")
-def background_vllm(request, tmp_path_factory):
-    """vLLM starting on a thread when a selected test of this module needs it; None otherwise."""
-    prometheus_binary()  # without Prometheus every test here skips, saying why, before anything starts
-    wanted = any("vllm_url" in item.fixturenames for item in request.session.items
-                 if item.module is request.module)
-    if not (wanted and vllm_venv_present()):
-        yield None
-        return
-    vllm = BackgroundVllm(tmp_path_factory.mktemp("vllm"))
-    try:
-        yield vllm
-    finally:
-        vllm.stop()
-
-
-@pytest.fixture(scope="module")
-def engines(background_vllm):
+def engines():
     """`roomy`: kvengine's default pool, for light load; `replay`: the tight pool for a bounded burst."""
+    prometheus_binary()  # without Prometheus every test here skips, saying why, before anything starts
     servers = {}
     try:
         servers["roomy"] = ServerProcess(*SIM)
@@ -286,20 +211,12 @@ def engines(background_vllm):
 
 
 @pytest.fixture(scope="module")
-def prom(engines, background_vllm, tmp_path_factory):
+def prom(engines, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("prometheus")
     targets = {"engine": [host_of(s.url) for s in engines.values()]}
-    if background_vllm is not None:
-        targets["vllm"] = [f"127.0.0.1:{background_vllm.port}"]  # down (up == 0) until vLLM is up
     with running_prometheus(workdir, targets, rules_copy(workdir / "alerts.yml", for_=TEST_FOR)) as server:
         server.wait_for_scrapes(jobs=("engine",))
         yield server
-
-
-@pytest.fixture(scope="module")
-def vllm_url(background_vllm):
-    vllm_command()  # skips, saying how to get vLLM, when there is none
-    return background_vllm.url()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -558,28 +475,3 @@ def test_read_range_says_what_went_wrong(prom, engines):
         read_range(prom.url, '{job="engine"}', start, end, STEP_S)
     with pytest.raises(ValueError, match="label matcher"):
         read_range(prom.url, 'vllm:num_requests_running{job="engine"}', start, end, STEP_S)
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. The dashboard against the real vLLM.
-
-def test_every_dashboard_panel_shows_vllm_under_load(vllm_url, prom):
-    instance = host_of(vllm_url)
-    start = time.time()
-    statuses = Load(vllm_url, SERVED_NAME, count=24, rate=8.0, prompt_len=160, max_tokens=24, shared=128,
-                    max_s=40).start().wait()
-    assert statuses == [200] * 24, statuses
-    wait_for(lambda: idle(vllm_url), 20, "vLLM to drain")
-    end = wait_for_scrape_after(prom, instance, time.time()) + STEP_S
-    board = dashboard()
-    assert "vllm" in variable_values(prom, board, "job", "vllm")
-    assert variable_values(prom, board, "model_name", "vllm") == {SERVED_NAME}
-    problems = panel_problems(prom, board, "vllm", SERVED_NAME, start - 2 * STEP_S, end,
-                              ALERT_PANELS | KVENGINE_ONLY)
-    assert not problems, "\n".join(problems)
-    # The names kept their colons through this Prometheus' scrape (prometheus.yml's header says why).
-    assert prom.query('count({__name__=~"vllm_.+", job="vllm"})') == []
-    for key in KVENGINE_ONLY:  # the list stays true: drop a panel from it once vLLM exports its metric
-        panel, target = next((p, t) for p, t in panel_queries(dashboard()) if (p["title"], t["refId"]) == key)
-        assert prom.query_range(grafana_to_promql(target["expr"], "vllm", SERVED_NAME, end - start),
-                                start, end, STEP_S) == [], key
