@@ -13,16 +13,21 @@ from kvtune.targets import SimTarget
 from kvtune.workload import SynthSpec, parse_dist, synthesize
 from test_calibrate import DEVICE, KNOWN, MODEL, QUANTIZED, calibrate_cli, close
 
+# KNOWN with weights read twice as fast and a shorter step overhead: the probes' decode steps take
+# about two thirds of KNOWN's, so the test (real time, the host to itself) ends sooner; the overhead
+# stays many times the server's own unmodelled cost of a step, and the per-sequence term is KNOWN's.
+LIVE = dataclasses.replace(KNOWN, memory_efficiency=0.6, step_overhead_s=0.006)
+
 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_calibration_recovers_known_coefficients_and_a_quantized_caches_terms_live(tmp_path, capsys):
-    """One real-time calibration of a sim-executor engine that kvtune starts, stepping by KNOWN (and
-    QUANTIZED's terms on fp8): the main fit recovers KNOWN; --quantized-kv fp8 starts the engine again
+    """One real-time calibration of a sim-executor engine that kvtune starts, stepping by LIVE (and
+    QUANTIZED's terms on fp8): the main fit recovers LIVE; --quantized-kv fp8 starts the engine again
     with --kv-cache-dtype fp8 and recovers the two terms a quantized cache adds; the sim then prices
     runs with the stored profile."""
     path = tmp_path / "coeffs.json"
-    path.write_text(json.dumps(dataclasses.replace(KNOWN, **QUANTIZED).to_dict()))
+    path.write_text(json.dumps(dataclasses.replace(LIVE, **QUANTIZED).to_dict()))
     db = f"sqlite:///{tmp_path}/kvtune.db"
     rc = calibrate_cli("--target", "engine", "--executor", "sim", "--cost-profile", str(path), "--preset", MODEL,
                        "--device", DEVICE, "--name", "known", "--quick", "--max-batch", "16",
@@ -37,7 +42,7 @@ def test_calibration_recovers_known_coefficients_and_a_quantized_caches_terms_li
     # per-sequence overheads) move more with the host's load (-6.6 % attention, +18 % per sequence in
     # loaded runs), so they are held to 25 %: a broken fit misses by far more.
     small = {"attention_efficiency", "step_overhead_s", "per_seq_overhead_s"}
-    off = close(profile.coefficients, KNOWN, 0.10)
+    off = close(profile.coefficients, LIVE, 0.10)
     assert set(off) <= small and all(abs(e) <= 0.25 for e in off.values()), profile.describe()
     assert profile.target == "engine" and profile.served_model == "kvtune-target"  # the name kvtune serves under
     assert profile.server["block_size"] == 16 and profile.server["max_model_len"] == 8192
@@ -61,7 +66,7 @@ def test_calibration_recovers_known_coefficients_and_a_quantized_caches_terms_li
     sim = SimTarget(*profile.specs(), load_cost_profile(db, "known"))
     short = synthesize(SynthSpec(num_requests=4, rate=100.0, input_len=parse_dist("32"),
                                  output_len=parse_dist("16"), seed=1))
-    assert sim.run(EngineConfig(), short).summary["tpot_p50"] > KNOWN.step_overhead_s
+    assert sim.run(EngineConfig(), short).summary["tpot_p50"] > LIVE.step_overhead_s
     long = synthesize(SynthSpec(num_requests=8, rate=100.0, input_len=parse_dist("2048"),
                                 output_len=parse_dist("16"), seed=1))
     auto, fp8 = (sim.run(EngineConfig(kv_cache_dtype=d), long).summary["tpot_p50"] for d in ("auto", "fp8"))
