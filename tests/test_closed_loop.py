@@ -9,7 +9,7 @@ from kvengine.core.request import SamplingParams
 from kvengine.engine.llm_engine import LLMEngine
 from kvtune.targets import SimTarget
 from kvtune.workload import SynthSpec, parse_dist, read_workload, synthesize, write_workload
-from kvtune_cli import kvtune
+from kvtune_cli import kvtune_main
 
 
 def engine():
@@ -86,22 +86,24 @@ def test_sim_target_takes_the_workloads_limit():
 
 
 @pytest.mark.slow
-def test_live_and_simulated_closed_loops_keep_the_same_number_in_flight(tmp_path):
+def test_live_and_simulated_closed_loops_keep_the_same_number_in_flight(tmp_path, capsys):
     """`kvtune run --max-concurrency` through Locust against kvengine (sim executor, real time) and on
-    the simulator: the same n in flight, the next request sent as one finishes, in trace order."""
+    the simulator: the same n in flight, the next request sent as one finishes, in trace order.
+    Twice as many Locust users as slots, so that the slots, not the users, hold the requests back."""
     trace = tmp_path / "w.jsonl"
-    p = kvtune("trace", "synth", "-o", str(trace), "--num-requests", "10", "--rate", "inf",
-               "--input-len", "256", "--output-len", "4-16", "--seed", "2")
-    assert p.returncode == 0, p.stderr
+    assert kvtune_main("trace", "synth", "-o", trace, "--num-requests", "10", "--rate", "inf",
+                       "--input-len", "256", "--output-len", "4-16", "--seed", "2") == 0
     assert {r.arrival_s for r in read_workload(str(trace)).requests} == {0.0}
     n, runs = 4, {}
     for target in ("sim", "engine"):
         out = tmp_path / f"{target}.json"
-        p = kvtune("run", "--target", target, "--executor", "sim", "--preset", "llama-3-8b", "--device", "a10-24gb",
-                   "--workload", str(trace), "--max-concurrency", str(n), "--db", f"sqlite:///{tmp_path}/r.db",
-                   "--out", str(out), "--json")
-        assert p.returncode == 0, p.stderr + p.stdout
-        summary = json.loads(p.stdout.strip().splitlines()[-1])
+        capsys.readouterr()
+        code = kvtune_main("run", "--target", target, "--executor", "sim", "--preset", "llama-3-8b", "--device",
+                           "a10-24gb", "--workload", trace, "--max-concurrency", n, "--users", 2 * n,
+                           "--db", f"sqlite:///{tmp_path}/r.db", "--out", out, "--json")
+        printed = capsys.readouterr()
+        assert code == 0, printed.err + printed.out
+        summary = json.loads(printed.out.strip().splitlines()[-1])
         assert summary["completed"] == 10 and summary["ttft_mean"] > 0 and summary["tpot_mean"] > 0
         runs[target] = json.loads(out.read_text())["requests"]
     for target, records in runs.items():
@@ -113,16 +115,17 @@ def test_live_and_simulated_closed_loops_keep_the_same_number_in_flight(tmp_path
 
 @pytest.mark.parametrize("preset,device,tp", [("llama-3.1-8b", "h100-80gb", 1), ("llama-3.1-70b", "h200-141gb", 8),
                                               ("qwen3-32b", "h100-80gb", 2)])
-def test_kvtune_run_on_the_simulator_prints_ttft_and_tpot_for_real_deployments(tmp_path, preset, device, tp):
+def test_kvtune_run_on_the_simulator_prints_ttft_and_tpot_for_real_deployments(tmp_path, capsys, preset, device, tp):
     """The issue's command shape: a config.json, a GPU, tensor parallelism, fp8 weights, a closed loop."""
     from kvengine.model.hf_config import PRESET_DIR
 
     trace = tmp_path / "w.jsonl"
     write_workload(synthesize(SynthSpec(num_requests=64, rate=float("inf"), input_len=parse_dist("1024"),
                                         output_len=parse_dist("128"))), str(trace))
-    p = kvtune("run", "--target", "sim", "--hf-config", str(PRESET_DIR / f"{preset}.json"), "--device", device, "--tensor-parallel-size", str(tp),
-               "--quantization", "fp8", "--max-concurrency", "32", "--workload", str(trace),
-               "--db", f"sqlite:///{tmp_path}/r.db", "--json")
-    assert p.returncode == 0, p.stderr + p.stdout
-    s = json.loads(p.stdout.strip().splitlines()[-1])
+    code = kvtune_main("run", "--target", "sim", "--hf-config", PRESET_DIR / f"{preset}.json", "--device", device,
+                       "--tensor-parallel-size", tp, "--quantization", "fp8", "--max-concurrency", "32",
+                       "--workload", trace, "--db", f"sqlite:///{tmp_path}/r.db", "--json")
+    printed = capsys.readouterr()
+    assert code == 0, printed.err + printed.out
+    s = json.loads(printed.out.strip().splitlines()[-1])
     assert s["completed"] == 64 and 0 < s["ttft_p50"] <= s["ttft_p99"] and 0 < s["tpot_mean"] < s["ttft_mean"] * 10
