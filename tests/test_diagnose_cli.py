@@ -103,27 +103,28 @@ def test_nvml_samples_line_up_with_the_scrapes():
 
 
 @pytest.mark.slow
-def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
+def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path, capsys):
     """Issue #39: `kvtune run` said no faults while `diagnose --url` on the same server said F6, on
     a usage peak sampled at 89.7 % in one and 94.9 % in the other. Here `kvtune diagnose --url` is
     started before `kvtune run` replays a trace against the same server and stopped (Ctrl-C) after
     it; the watch's idle minutes around the traffic, its other scrape phase and its missing client
-    records must not change which faults it finds."""
+    records must not change which faults it finds. The watch is a process of its own (it gets the
+    Ctrl-C); the run and the rediagnosis of the stored watch run the same command line in this one."""
     trace = tmp_path / "trace.jsonl"
     write_workload(synthesize(SynthSpec(num_requests=120, rate=20, input_len=IntDist.fixed(150),
                                         output_len=IntDist.fixed(64), seed=3)), trace)
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb",
                            "--num-gpu-blocks-override", "100", "--max-model-len", "1024")
-    kvtune = [sys.executable, "-m", "kvtune"]
-    watcher = subprocess.Popen([*kvtune, "diagnose", "--url", server.url, "--duration", "120", "--interval", "0.5",
-                                "--db", db, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watcher = subprocess.Popen([sys.executable, "-m", "kvtune", "diagnose", "--url", server.url, "--duration", "120",
+                                "--interval", "0.5", "--db", db, "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(2)  # the watch sees the server idle first
-        run = subprocess.run([*kvtune, "run", "--target", server.url, "--workload", str(trace), "--db", db,
-                              "--scrape-interval", "0.25", "--json"], capture_output=True, text=True, timeout=180,
-                             check=False)
-        assert run.returncode == 0, run.stderr
+        code = kvtune_main("run", "--target", server.url, "--workload", trace, "--db", db,
+                           "--scrape-interval", "0.25", "--json")
+        run = capsys.readouterr()
+        assert code == 0, run.err
         time.sleep(2)
         watcher.send_signal(signal.SIGINT)
         out, err = watcher.communicate(timeout=60)
@@ -132,10 +133,10 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
             watcher.kill()
         server.stop()
     assert watcher.returncode == 0, err
-    ran = set(json.loads(run.stdout.strip().splitlines()[-1])["faults"])
+    ran = set(json.loads(run.out.strip().splitlines()[-1])["faults"])
     watched = json.loads(out.strip().splitlines()[-1])
-    assert "F6" in ran, run.stdout
-    assert {d["id"] for d in watched["diagnoses"]} == ran, (run.stdout, out)
+    assert "F6" in ran, run.out
+    assert {d["id"] for d in watched["diagnoses"]} == ran, (run.out, out)
     # From the server's metrics alone: the pool from its vllm:cache_config_info, preemptions from its
     # counter, the share preempted from its histogram (its clients' records, all 0, are never evidence)
     assert "the server's vllm:cache_config_info" in out
@@ -149,6 +150,5 @@ def test_a_run_and_a_watch_of_the_same_traffic_find_the_same_faults(tmp_path):
     stored = Store(db).get_run(watched["run_id"])  # the watch is a run the UI lists
     assert stored.target == "watch"
     assert {d.fault_id for d in Store(db).load_diagnoses(watched["run_id"])} == ran
-    again = subprocess.run([*kvtune, "diagnose", "--run", str(watched["run_id"]), "--db", db, "--json"],
-                           capture_output=True, text=True, timeout=120, check=False)
-    assert {d["id"] for d in json.loads(again.stdout.strip().splitlines()[-1])["diagnoses"]} == ran, again.stderr
+    assert kvtune_diagnose("--run", str(watched["run_id"]), "--db", db, "--json") == 0
+    assert {d["id"] for d in last_json(capsys)["diagnoses"]} == ran
