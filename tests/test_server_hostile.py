@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -27,6 +28,22 @@ TORCH = ("--executor", "torch", "--preset", "tiny", "--device", "cpu", "--device
 KEY = "k3y"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 VOCAB = 32000
+# Every request here goes to http://127.0.0.1 on a connection of its own, as httpx.get/post/stream
+# open one. Those build a client per call, and with it a certificate-verifying SSL context (~40 ms
+# of CPU, most of what the fuzz spent per example); one context, made once, serves every call.
+TLS = ssl.create_default_context()
+
+
+def http_get(url: str, **kwargs) -> httpx.Response:
+    return httpx.get(url, verify=TLS, **kwargs)
+
+
+def http_post(url: str, **kwargs) -> httpx.Response:
+    return httpx.post(url, verify=TLS, **kwargs)
+
+
+def http_stream(method: str, url: str, **kwargs):
+    return httpx.stream(method, url, verify=TLS, **kwargs)
 
 
 def start(*flags: str, **env: str) -> ServerProcess:
@@ -57,15 +74,15 @@ def wait_idle(url: str, timeout_s: float = 30.0) -> bool:
     """True once the server holds no unfinished request (GET /load)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if httpx.get(url + "/load", timeout=5).json()["server_load"] == 0:
+        if http_get(url + "/load", timeout=5).json()["server_load"] == 0:
             return True
         time.sleep(0.05)
     return False
 
 
 def still_serving(url: str) -> None:
-    assert httpx.get(url + "/health", timeout=10).status_code == 200
-    ok = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30, json={"prompt": "ok", "max_tokens": 2})
+    assert http_get(url + "/health", timeout=10).status_code == 200
+    ok = http_post(url + "/v1/completions", headers=AUTH, timeout=30, json={"prompt": "ok", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
 
@@ -79,7 +96,7 @@ def server():
 
 
 def post(url: str, raw: bytes, path: str = "/v1/completions", timeout: float = 30) -> httpx.Response:
-    return httpx.post(url + path, content=raw, timeout=timeout,
+    return http_post(url + path, content=raw, timeout=timeout,
                       headers={**AUTH, "content-type": "application/json"})
 
 
@@ -119,24 +136,24 @@ def test_a_hostile_field_is_a_400_naming_it_and_the_engine_lives_on(server, raw,
 def test_the_extremes_of_the_valid_ranges_are_served(server):
     body = {"prompt": "hi", "max_tokens": 3, "n": 2, "seed": -(1 << 63), "top_k": (1 << 63) - 1,
             "temperature": 1e300, "top_p": 5e-324, "stop_token_ids": [VOCAB - 1]}
-    resp = httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30)
+    resp = http_post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] <= 6
     body["seed"] = (1 << 63) - 1  # and its last choice's seed, one more, still seeds torch
-    assert httpx.post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30).status_code == 200
+    assert http_post(server.url + "/v1/completions", headers=AUTH, json=body, timeout=30).status_code == 200
     still_serving(server.url)
 
 
 def test_n_and_the_requests_in_flight_are_bounded(server):
     url = server.url
-    resp = httpx.post(url + "/v1/completions", headers=AUTH, timeout=30,
+    resp = http_post(url + "/v1/completions", headers=AUTH, timeout=30,
                       json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"  # 9 > 8: never fits
     body = {"prompt": "x", "n": 8, "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", headers=AUTH, json=body, timeout=30) as stream:
+    with http_stream("POST", url + "/v1/completions", headers=AUTH, json=body, timeout=30) as stream:
         lines = stream.iter_lines()  # held: a dropped iterator closes the stream, which aborts it
         next(line for line in lines if line.startswith("data: {"))  # all 8 are in
-        full = httpx.post(url + "/v1/completions", headers=AUTH, json={"prompt": "y", "max_tokens": 2}, timeout=30)
+        full = http_post(url + "/v1/completions", headers=AUTH, json={"prompt": "y", "max_tokens": 2}, timeout=30)
     assert full.status_code == 503 and full.headers["retry-after"] == "1"
     assert full.json()["error"]["code"] == 503 and "--max-num-queued-reqs" in full.json()["error"]["message"]
     assert wait_idle(url, 10)  # the closed stream aborted all 8
@@ -152,7 +169,7 @@ def test_a_body_over_the_limit_is_a_413(server):
         for _ in range(64):
             yield b" " * 65536
 
-    resp = httpx.post(server.url + "/v1/completions", content=chunks(), headers=AUTH, timeout=30)
+    resp = http_post(server.url + "/v1/completions", content=chunks(), headers=AUTH, timeout=30)
     assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
     still_serving(server.url)
 
@@ -186,7 +203,7 @@ def test_abandoned_non_streaming_requests_are_aborted(server):
             await http.post("/v1/completions", json=body, timeout=0.5)
 
     async def main():
-        async with httpx.AsyncClient(base_url=url, headers=AUTH) as http:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, verify=TLS) as http:
             await asyncio.gather(*(give_up(http, i) for i in range(4)))
 
     asyncio.run(main())
@@ -199,33 +216,32 @@ def test_abandoned_non_streaming_requests_are_aborted(server):
 
 
 def test_reset_prefix_cache_needs_dev_mode_and_the_api_key(server):
-    assert httpx.post(server.url + "/reset_prefix_cache", timeout=10).status_code == 401
-    assert httpx.post(server.url + "/reset_prefix_cache", headers=AUTH, timeout=10).status_code == 200
-    assert httpx.get(server.url + "/metrics", timeout=10).status_code == 200  # reads stay open
+    assert http_post(server.url + "/reset_prefix_cache", timeout=10).status_code == 401
+    assert http_post(server.url + "/reset_prefix_cache", headers=AUTH, timeout=10).status_code == 200
+    assert http_get(server.url + "/metrics", timeout=10).status_code == 200  # reads stay open
 
 
-def test_a_dead_engine_core_ends_the_server_with_a_nonzero_exit():
-    proc = start("--max-model-len", "1024")
-    try:
-        assert httpx.post(proc.url + "/reset_prefix_cache", timeout=10).status_code == 404  # no dev mode
-        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", proc.url + "/v1/completions", json=body, timeout=30) as resp:
-            lines = resp.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            os.kill(engine_core_pid(proc), signal.SIGKILL)  # the OOM killer, a segfault in a kernel
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert "exit code -9" in rest[-2] and rest[-1] == "data: [DONE]"  # the stream still ends cleanly
-        assert proc.proc.wait(10) != 0
-    finally:
-        log = stop(proc)
-    assert "engine core died" in log
+@pytest.fixture(scope="module")
+def tight_pool():
+    """A server of a tight pool (24 blocks of 16, 8 sequences; no API key, no dev mode): the
+    abandon test's, then the one whose engine core the dead-core test kills. `tight_pool()` gives
+    it, or a new one where it has ended (the dead-core test ran first)."""
+    started: list[ServerProcess] = []
+
+    def get() -> ServerProcess:
+        if not started or started[-1].proc.poll() is not None:
+            started.append(start("--max-model-len", "256", "--block-size", "16", "--num-gpu-blocks-override", "24",
+                                 "--max-num-seqs", "8"))
+        return started[-1]
+    yield get
+    for proc in started:
+        stop(proc)
 
 
-def test_every_abandoned_request_is_aborted_under_a_tight_pool():
+def test_every_abandoned_request_is_aborted_under_a_tight_pool(tight_pool):
     """Clients hang up at every stage (queued, preempted, decoding, before the server read
     the request): each request the engine got ends as an abort, and the pool comes back."""
-    proc = start("--max-model-len", "256", "--block-size", "16", "--num-gpu-blocks-override", "24",
-                 "--max-num-seqs", "8")
+    proc = tight_pool()
     url = proc.url
     rng = random.Random(0)
     before = scrape(url)
@@ -263,7 +279,7 @@ def test_every_abandoned_request_is_aborted_under_a_tight_pool():
 
     async def main():
         limits = httpx.Limits(max_connections=100)
-        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, verify=TLS) as http:
             jobs = []
             for i in range(60):
                 kind = i % 5
@@ -271,18 +287,33 @@ def test_every_abandoned_request_is_aborted_under_a_tight_pool():
                             else stream_quit(http, i, kind))
             await asyncio.wait_for(asyncio.gather(*jobs), 60)
 
-    try:
-        asyncio.run(main())
-        assert wait_idle(url, 30)
-        after = scrape(url)
-    finally:
-        stop(proc)
+    asyncio.run(main())
+    assert wait_idle(url, 30)
+    after = scrape(url)
     delta = lambda k: after.get(k, 0) - before.get(k, 0)  # noqa: E731
     aborted = delta("vllm:request_success_total{finished_reason=abort}")
     finished = sum(delta(f"vllm:request_success_total{{finished_reason={r}}}") for r in ("stop", "length", "abort"))
     assert finished == aborted >= 36  # every stream surely arrived; the others may not have
     assert after["kvengine:num_free_blocks"] == after["kvengine:num_gpu_blocks"] - 1
     assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_a_dead_engine_core_ends_the_server_with_a_nonzero_exit(tight_pool):
+    """On the tight pool's server (no dev mode), the last test to use it."""
+    proc = tight_pool()
+    try:
+        assert http_post(proc.url + "/reset_prefix_cache", timeout=10).status_code == 404  # no dev mode
+        body = {"prompt": "x", "max_tokens": 240, "ignore_eos": True, "stream": True}  # max_model_len 256
+        with http_stream("POST", proc.url + "/v1/completions", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            os.kill(engine_core_pid(proc), signal.SIGKILL)  # the OOM killer, a segfault in a kernel
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "exit code -9" in rest[-2] and rest[-1] == "data: [DONE]"  # the stream still ends cleanly
+        assert proc.proc.wait(10) != 0
+    finally:
+        log = stop(proc)
+    assert "engine core died" in log
 
 
 def _checkpoint(folder, weights: bytes):
@@ -377,7 +408,7 @@ def encode(body, how: int) -> bytes:
 def test_fuzzed_bodies_get_2xx_or_a_json_4xx_and_the_server_lives_on(server, case, how):
     path, body = case
     if body.get("stream") is True:
-        with httpx.stream("POST", server.url + path, content=encode(body, how), timeout=30,
+        with http_stream("POST", server.url + path, content=encode(body, how), timeout=30,
                           headers={**AUTH, "content-type": "application/json"}) as resp:
             text = resp.read().decode()
         status = resp.status_code
