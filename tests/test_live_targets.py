@@ -16,7 +16,7 @@ from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunEr
                             UrlTarget, VllmTarget)
 from kvtune.workload import TraceRequest, Workload, synthesize, SynthSpec, parse_dist, write_workload
 from serverproc import ServerProcess, free_port
-from kvtune_cli import kvtune
+from kvtune_cli import kvtune_main
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +27,17 @@ def small_workload(n=40, rate=20.0, seed=3) -> Workload:
                                 seed=seed))
 
 
-def test_kvtune_run_engine_sim_end_to_end(tmp_path):
+def test_kvtune_run_engine_sim_end_to_end(tmp_path, capsys):
     """Client samples, the server's counters and the store agree on what was sent."""
     trace = tmp_path / "t.jsonl"
     workload = small_workload()
     write_workload(workload, str(trace))
     db = f"sqlite:///{tmp_path}/runs.db"
-    p = kvtune("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb",
-               "--workload", str(trace), "--users", "64", "--max-num-seqs", "32", "--db", db, "--json")
-    assert p.returncode == 0, p.stderr + p.stdout
-    s = json.loads(p.stdout.strip().splitlines()[-1])
+    code = kvtune_main("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device",
+                       "l4-24gb", "--workload", trace, "--users", "64", "--max-num-seqs", "32", "--db", db, "--json")
+    p = capsys.readouterr()
+    assert code == 0, p.err + p.out
+    s = json.loads(p.out.strip().splitlines()[-1])
     n = len(workload)
     assert s["completed"] == n and s["failed"] == 0
     sent_prompt = sum(r.input_length for r in workload.requests)
@@ -45,7 +46,7 @@ def test_kvtune_run_engine_sim_end_to_end(tmp_path):
     assert s["server_generation_tokens"] == sent_output
     assert s["server_ttft_count"] == n and s["server_e2e_count"] == n
     assert s["prefix_hit_rate"] == pytest.approx(s["ideal_prefix_hit_rate"], abs=0.02)
-    assert "server p50 p95 p99" in p.stdout and "ttft" in p.stdout
+    assert "server p50 p95 p99" in p.out and "ttft" in p.out
     stored = Store(db).load_run(s["run_id"])
     assert len(stored.requests) == n and sum(r.output_tokens for r in stored.requests) == sent_output
     assert stored.target == "engine" and stored.config["max_num_seqs"] == 32
@@ -60,13 +61,24 @@ def test_kvtune_run_engine_sim_end_to_end(tmp_path):
     assert not any(d.startswith("ttft") for d in s["disagreements"]), s["disagreements"]
 
 
-def test_distributed_locust_loses_and_duplicates_nothing():
-    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb")
-    try:
-        workload = small_workload(n=50, rate=40.0)
-        result = UrlTarget(server.url, LiveOptions(users=16, workers=2, drain_timeout_s=60)).run(None, workload)
-    finally:
+@pytest.fixture(scope="module")
+def url_server():
+    """A sim server the URL-target tests replay against: the distributed replay's, then the one the
+    dead-server test kills. `url_server()` gives it, or a new one where it has ended."""
+    started: list[ServerProcess] = []
+
+    def get() -> ServerProcess:
+        if not started or started[-1].proc.poll() is not None:
+            started.append(ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "h100-80gb"))
+        return started[-1]
+    yield get
+    for server in started:
         server.stop()
+
+
+def test_distributed_locust_loses_and_duplicates_nothing(url_server):
+    workload = small_workload(n=50, rate=40.0)
+    result = UrlTarget(url_server().url, LiveOptions(users=16, workers=2, drain_timeout_s=60)).run(None, workload)
     ids = [r.request_id for r in result.requests]
     assert ids == [str(i) for i in range(50)]
     assert result.summary["completed"] == 50
@@ -109,14 +121,15 @@ def test_a_pool_fixed_by_server_args_is_the_one_stage_1_simulates_and_utilisatio
     assert VllmTarget(model="m", vllm_command="/opt/venv/bin/vllm").rules.sim_config(EngineConfig()) == EngineConfig()
 
 
-def test_engine_that_cannot_start_is_a_failed_run(tmp_path):
+def test_engine_that_cannot_start_is_a_failed_run(tmp_path, capsys):
     db = f"sqlite:///{tmp_path}/runs.db"
     trace = tmp_path / "t.jsonl"
     write_workload(small_workload(n=5), str(trace))
     # llama-3-8b cannot fit an L4 at half its memory: the server exits at start-up.
-    p = kvtune("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb",
-               "--gpu-memory-utilization", "0.5", "--workload", str(trace), "--db", db)
-    assert p.returncode == 1 and "cannot start" in p.stderr and "do not fit" in p.stderr
+    code = kvtune_main("run", "--target", "engine", "--executor", "sim", "--preset", "llama-3-8b", "--device",
+                       "l4-24gb", "--gpu-memory-utilization", "0.5", "--workload", trace, "--db", db)
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot start" in err and "do not fit" in err, err
     (run,) = Store(db).list_runs()
     assert run.status == "failed" and "do not fit" in run.error
 
@@ -124,19 +137,6 @@ def test_engine_that_cannot_start_is_a_failed_run(tmp_path):
 def test_refused_url_gives_a_clear_error(tmp_path):
     with pytest.raises(TargetRunError, match=r"cannot connect to http://127.0.0.1:\d+"):
         UrlTarget(f"http://127.0.0.1:{free_port()}").run(None, small_workload(n=3))
-
-
-def test_server_killed_mid_run_fails_the_run():
-    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb")
-    workload = small_workload(n=40, rate=4.0)  # ~10 s of arrivals
-    killer = threading.Timer(2.0, server.proc.kill)
-    killer.start()
-    try:
-        with pytest.raises(TargetRunError, match="stopped answering|requests failed"):
-            UrlTarget(server.url, LiveOptions(users=16, drain_timeout_s=20)).run(None, workload)
-    finally:
-        killer.cancel()
-        server.stop()
 
 
 class _Failing(http.server.BaseHTTPRequestHandler):
@@ -194,26 +194,10 @@ def _engine_server_pids() -> set[int]:
     return found
 
 
-def test_engine_target_stops_its_server():
-    before = _engine_server_pids()
-    target = EngineTarget(LiveOptions(users=8, drain_timeout_s=30), executor="sim", preset="llama-3-8b",
-                          device="h100-80gb")
-    result = target.run(EngineConfig(), Workload([TraceRequest(0.0, 50, 4), TraceRequest(0.1, 60, 4)]))
-    assert result.summary["completed"] == 2
-    assert _engine_server_pids() <= before, "a kvengine server outlived its run"
-    # The knobs left to the server are stored as it resolved them (a fix never reads "current"),
-    # and the pool overview can compare with a contiguous reservation at max_model_len.
-    resolved = EngineConfig().resolve(model_preset("llama-3-8b"), device_preset("h100-80gb"))
-    assert result.config["max_num_seqs"] == resolved.max_num_seqs
-    assert result.config["max_num_batched_tokens"] == resolved.max_num_batched_tokens
-    assert result.config["max_model_len"] == resolved.max_model_len == 8192
-    lines = pool_overview(gather(result, Thresholds()))
-    assert any(line.startswith("contiguous   reserving max_model_len (8,192)") for line in lines)
-
-
 def test_the_checked_server_serves_the_next_run_of_its_config_and_no_other():
     """A search checks its target with the default, then runs the default first: one start, not two.
-    A run of another config stops the checked server before its own starts (two never share a device)."""
+    A run of another config stops the checked server before its own starts (two never share a device),
+    and stops the server it started; the knobs left to the server are stored as it resolved them."""
     target = EngineTarget(LiveOptions(users=8, drain_timeout_s=30), executor="sim", preset="llama-3-8b",
                           device="h100-80gb")
     workload = Workload([TraceRequest(0.1 * i, 50, 4) for i in range(6)])
@@ -236,22 +220,33 @@ def test_the_checked_server_serves_the_next_run_of_its_config_and_no_other():
     before = _engine_server_pids()
     target.check(EngineConfig())
     (checked,) = _engine_server_pids() - before
-    assert run_watched(EngineConfig()).summary["completed"] == 6
+    result = run_watched(EngineConfig())
+    assert result.summary["completed"] == 6
     assert set().union(*snapshots) == {checked}, "the run started a server of its own"
     assert _engine_server_pids() <= before  # and stopped the one it took
+    # The knobs left to the server are stored as it resolved them (a fix never reads "current"),
+    # and the pool overview can compare with a contiguous reservation at max_model_len.
+    resolved = EngineConfig().resolve(model_preset("llama-3-8b"), device_preset("h100-80gb"))
+    assert result.config["max_num_seqs"] == resolved.max_num_seqs
+    assert result.config["max_num_batched_tokens"] == resolved.max_num_batched_tokens
+    assert result.config["max_model_len"] == resolved.max_model_len == 8192
+    lines = pool_overview(gather(result, Thresholds()))
+    assert any(line.startswith("contiguous   reserving max_model_len (8,192)") for line in lines)
 
     target.check(EngineConfig())
     (checked,) = _engine_server_pids() - before
     snapshots.clear()
     assert run_watched(EngineConfig(max_num_seqs=64)).summary["completed"] == 6
-    assert len(set().union(*snapshots) - {checked}) == 1 and _engine_server_pids() <= before
+    # a server of its own, stopped at the run's end
+    assert len(set().union(*snapshots) - {checked}) == 1
+    assert _engine_server_pids() <= before, "a kvengine server outlived its run"
     assert all(len(pids) <= 1 for pids in snapshots), "the checked server outlived the start of another"
     target.check(EngineConfig())
     target.close()  # a search that never runs its default stops the server all the same
     assert _engine_server_pids() <= before
 
 
-def test_kvtune_run_engine_torch_end_to_end(tmp_path):
+def test_kvtune_run_engine_torch_end_to_end(tmp_path, capsys):
     """The real tiny model on the CPU behind kvengine serve: counts agree across clients, server and store."""
     trace = tmp_path / "t.jsonl"
     workload = Workload([TraceRequest(i * 0.1, 40 + 2 * i, 8, hash_ids=(1, 100 + i)) for i in range(12)],
@@ -259,10 +254,12 @@ def test_kvtune_run_engine_torch_end_to_end(tmp_path):
     write_workload(workload, str(trace))
     db = f"sqlite:///{tmp_path}/runs.db"
     # block size 32 (the CPU default is 128, as vLLM's CPU build): the prompts share one 32-token block
-    p = kvtune("run", "--target", "engine", "--executor", "torch", "--workload", str(trace), "--users", "16",
-               "--device-memory", "1GiB", "--max-model-len", "1024", "--block-size", "32", "--db", db, "--json")
-    assert p.returncode == 0, p.stderr + p.stdout
-    s = json.loads(p.stdout.strip().splitlines()[-1])
+    code = kvtune_main("run", "--target", "engine", "--executor", "torch", "--workload", trace, "--users", "16",
+                       "--device-memory", "1GiB", "--max-model-len", "1024", "--block-size", "32", "--db", db,
+                       "--json")
+    p = capsys.readouterr()
+    assert code == 0, p.err + p.out
+    s = json.loads(p.out.strip().splitlines()[-1])
     assert s["completed"] == 12 and s["server_generation_tokens"] == 12 * 8
     assert s["server_prompt_tokens"] == sum(r.input_length for r in workload.requests)
     assert s["server_prefix_hits"] > 0  # the shared first hash block is served from the cache
@@ -299,24 +296,26 @@ def test_sigterm_during_a_run_stops_the_server_kvtune_started(tmp_path):
 
 
 def _kill_once_it_answered(find, killed: dict, timeout_s: float = 60.0) -> None:
-    """SIGKILL the server `find()` gives as (url, pid) once it has finished a request."""
+    """SIGKILL the server `find()` gives as (url, pid) once it has finished a request more than when
+    it was first seen (a shared server has answered other tests' requests)."""
     import os
     import signal
     import time
 
     from serverproc import scrape
-    deadline = time.monotonic() + timeout_s
+    deadline, first = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         found = find()
         try:
-            done = found and sum(v for k, v in scrape(found[0]).items() if k.startswith("vllm:request_success_total"))
-        except Exception:  # not listening yet
-            done = False
-        if done:
+            done = sum(v for k, v in scrape(found[0]).items() if k.startswith("vllm:request_success_total"))
+        except Exception:  # not found, or not listening yet
+            done = None
+        first = done if first is None else first
+        if done is not None and done > first:
             os.kill(found[1], signal.SIGKILL)
             killed["at"] = time.monotonic()
             return
-        time.sleep(0.1)
+        time.sleep(0.25)  # each scrape is a client of its own (~40 ms of CPU)
 
 
 def _ended_soon_after_the_kill(run, find, options: LiveOptions, workload: Workload, match: str) -> None:
@@ -340,15 +339,12 @@ def _slow_arrivals() -> Workload:
     return small_workload(n=30, rate=0.75)  # ~40 s of arrivals: the kill comes in the first few
 
 
-def test_a_url_target_whose_server_died_fails_well_before_the_replay_ends():
-    server = ServerProcess("--executor", "sim", "--preset", "llama-3-8b", "--device", "l4-24gb")
+def test_a_url_target_whose_server_died_fails_well_before_the_replay_ends(url_server):
+    server = url_server()  # the last test to use it
     workload, options = _slow_arrivals(), LiveOptions(users=16, drain_timeout_s=10)
-    try:
-        _ended_soon_after_the_kill(lambda: UrlTarget(server.url, options).run(None, workload),
-                                   lambda: (server.url, server.proc.pid), options, workload,
-                                   "stopped answering during the run")
-    finally:
-        server.stop()
+    _ended_soon_after_the_kill(lambda: UrlTarget(server.url, options).run(None, workload),
+                               lambda: (server.url, server.proc.pid), options, workload,
+                               "stopped answering during the run")
 
 
 def test_a_started_server_that_died_fails_the_run_well_before_the_replay_ends():
@@ -356,8 +352,11 @@ def test_a_started_server_that_died_fails_the_run_well_before_the_replay_ends():
 
     def find():
         for kid in psutil.Process().children():  # the server's leader, not its engine core
-            cmd = kid.cmdline()
-            if "serve" in cmd and "kvengine" in cmd:
+            try:
+                cmd = kid.cmdline()
+            except psutil.Error:  # ended meanwhile, or a zombie
+                continue
+            if "serve" in cmd and "kvengine" in cmd and "kvtune-target" in cmd:  # the target's, not url_server's
                 return f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}", kid.pid
         return None
     workload, options = _slow_arrivals(), LiveOptions(users=16, drain_timeout_s=10)
