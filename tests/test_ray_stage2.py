@@ -1,15 +1,17 @@
-"""Stage 1 and stage 2 on a real local Ray cluster (`kvtune search --ray`): two rounds at once on two
-slots, each round on one slot, the verdict the serial race gives, a config that cannot start failing only
-its runs, a resume that reruns nothing, Ctrl-C ending every server, a --ray address with no cluster
+"""Stage 1 and stage 2 on a real local Ray cluster (`kvtune search --ray`): rounds at once on the
+slots, each round on one slot, the verdict the serial race gives, a config that cannot start failing
+only its runs, a node lost mid-round failing that round's runs with Ray's reason while the stage goes
+on, a resume that reruns nothing, Ctrl-C ending every server, a --ray address with no cluster
 refused; stage 1's trials as Ray tasks sharing the study, each trial asked run once and a rerun adding
 none; `kvtune run --ray` and `kvtune calibrate --ray` starting their server in a task, the run stored
 with its slot and the profile stored here, and `--ray` refused for a target kvtune starts no server
-for; a node lost mid-round failing that round's runs with Ray's reason while the stage goes on.
+for.
 
 One cluster for the whole module (`cluster`): a head (2 CPUs, 2 fake GPUs) and a second node (1 CPU,
 1 fake GPU), each `ray start` in a temporary folder and a session of its own, so that a test can kill
 the second node alone; at the end every process either started is stopped, and checked gone.
-The node-death test is the module's last: the second node stays dead after it."""
+The stage-2 race (three rounds at once, the second node killed under one) is the module's last test:
+the second node stays dead after it."""
 from __future__ import annotations
 
 import json
@@ -168,7 +170,9 @@ def _workload() -> Workload:
 
 
 def _target(**env) -> EngineTarget:
-    options = LiveOptions(scrape_interval_s=0.25, watch_interval_s=0.25, device="l4-24gb")
+    # the watch (is the server still there?) at its default 1 s: each check is an HTTP client of its own,
+    # ~40 ms of CPU, and no run here loses its server but with its node (the task's failure says so)
+    options = LiveOptions(scrape_interval_s=0.25, device="l4-24gb")
     return EngineTarget(options=options, executor="sim", preset="llama-3-8b", device="l4-24gb", env=env,
                         extra_args="--max-model-len 4096")
 
@@ -189,44 +193,6 @@ def _figures_verdict(db: str, study: str):
     for m in runs:
         m.doubts = []
     return choose([], runs, [], DEFAULT)[0]
-
-
-def test_two_slots_run_rounds_at_once_each_on_one_slot_and_agree_with_the_serial_race(pool, tmp_path):
-    db = f"sqlite:///{tmp_path}/s.db"
-    target = _target()
-    pool = RayTarget(target, pool)
-    assert pool.size == 3  # the head's two GPUs and the second node's
-    outcomes = _race(db, "par", [DEFAULT, WIDE, BROKEN], pool.run, pool=pool)
-    done = [o for o in outcomes if o.error is None]
-    failed = [o for o in outcomes if o.error is not None]
-    assert {o.candidate.params["max_num_seqs"] for o in done} == {2, 64}
-    # every run of the config whose server cannot start failed with the server's reason; the others went on
-    assert failed and all(o.candidate.params == BROKEN and "do not fit" in o.error for o in failed)
-    stored = {o.run_id: Store(db).load_run(o.run_id) for o in done}
-    slots = {o.run_id: stored[o.run_id].summary["slot"] for o in done}
-    by_round = {}
-    for o in done:
-        by_round.setdefault(o.repeat, set()).add((tuple(slots[o.run_id]["gpus"]), slots[o.run_id]["node_id"]))
-    assert all(len(s) == 1 for s in by_round.values()), by_round  # a round stays on its slot
-    assert by_round[1] != by_round[2]  # two slots at once (of the three)
-    spans = {r: [(slots[o.run_id]["started"], slots[o.run_id]["ended"]) for o in done if o.repeat == r] for r in (1, 2)}
-    first, second = (min(s for s, _ in spans[r]) for r in (1, 2)), (max(e for _, e in spans[r]) for r in (1, 2))
-    assert max(first) < min(second), spans  # the two rounds ran at the same time
-    shown = " ".join(getattr(b, "text", "") for b in slots_blocks(live_runs(Store(db), "par", ())))
-    assert "on 2 slot(s) of a Ray cluster" in shown  # the report names the slots and says how it tests them
-
-    # a resume reruns nothing that finished (a failed run is no repeat: it would run again, as serially)
-    again = _race(db, "par", [DEFAULT, WIDE], pool.run, pool=pool)
-    assert sorted(o.run_id for o in again) == sorted(o.run_id for o in done)
-
-    serial_db = f"sqlite:///{tmp_path}/serial.db"
-    _race(serial_db, "ser", [DEFAULT, WIDE], target.run)
-    serial, parallel = _figures_verdict(serial_db, "ser"), _figures_verdict(db, "par")
-    # the same leader both ways; with 2 runs each a verdict's test has a degree of freedom or two, and
-    # on a loaded 2-core host the runs' spread can keep "better" from being shown, serially or not:
-    # the kinds are compared where the benchmark runs more (benchmarks/parallel_stage2.py)
-    assert serial.leader.params == parallel.leader.params == WIDE
-    assert {serial.kind, parallel.kind} <= {"better", "keep_default"}
 
 
 SIGINT_SCRIPT = textwrap.dedent("""
@@ -400,12 +366,15 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-def test_a_node_lost_mid_round_fails_that_rounds_runs_with_rays_reason_and_the_stage_goes_on(
+def test_rounds_at_once_one_slot_each_a_lost_node_fails_its_round_alone_the_verdict_agrees_with_serial(
         cluster, pool, tmp_path):
-    """Three rounds at once fill the three slots, so one runs on the second node; once its server runs
-    there (a child of the node's Ray worker) the node is killed. The module's last test."""
+    """Three rounds of the default, a wider config and one that cannot start, at once on the three
+    slots, so that one runs on the second node; once its first server runs there (a child of the
+    node's Ray worker) the node is killed. The module's last test: the second node stays dead."""
     mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
-    target = RayTarget(_target(KVTUNE_RAY_MARK=mark.split("=")[1]), pool)
+    target = _target(KVTUNE_RAY_MARK=mark.split("=")[1])
+    on_ray = RayTarget(target, pool)
+    assert on_ray.size == 3  # the head's two GPUs and the second node's
     killed, stop = threading.Event(), threading.Event()
 
     def kill_once_its_server_runs():
@@ -423,21 +392,51 @@ def test_a_node_lost_mid_round_fails_that_rounds_runs_with_rays_reason_and_the_s
     killer.start()
     db = f"sqlite:///{tmp_path}/s.db"
     try:
-        outcomes = _race(db, "lost", [DEFAULT, WIDE], target.run, pool=target, repeats=3)
+        outcomes = _race(db, "par", [DEFAULT, WIDE, BROKEN], on_ray.run, pool=on_ray, repeats=3)
     finally:
         stop.set()
         killer.join()
     assert killed.is_set(), "no round's server ran on the second node"
-    failed = [o for o in outcomes if o.error is not None]
-    # the lost round's runs (the one running and the one after it) fail with the reason Ray gives
-    assert len(failed) == 2 and len({o.repeat for o in failed}) == 1, [(o.repeat, o.error) for o in outcomes]
-    assert all("the Ray task failed" in o.error and "node" in o.error.lower() for o in failed), failed[0].error
-    assert all(o.slot_lost for o in failed)  # the slot's loss, not the configs': neither leaves the race for it
+    lost = [o for o in outcomes if o.slot_lost]
+    # the lost round's runs (the one running and the two after it) fail with the reason Ray gives
+    assert len(lost) == 3 and len({o.repeat for o in lost}) == 1, [(o.repeat, o.error) for o in outcomes]
+    assert all("the Ray task failed" in o.error and "node" in o.error.lower() for o in lost), lost[0].error
+    # the slot's loss, not the configs': neither leaves the race for it; every other run of the config
+    # whose server cannot start failed with the server's reason, and the others went on
+    failed = [o for o in outcomes if o.error is not None and not o.slot_lost]
+    assert len(failed) == 2 and all(o.candidate.params == BROKEN and "do not fit" in o.error for o in failed)
     done = [o for o in outcomes if o.error is None]
-    # the stage went on: the other two rounds finished, every config once each, on the head's slots
-    assert len(done) == 4 and {o.repeat for o in done} == {1, 2, 3} - {failed[0].repeat}
-    assert all(Store(db).load_run(o.run_id).summary["slot"]["node_id"] != second for o in done)
+    # the stage went on: the other two rounds finished, every config that starts once each, on the head's slots
+    assert len(done) == 4 and {o.repeat for o in done} == {1, 2, 3} - {lost[0].repeat}
+    assert {o.candidate.params["max_num_seqs"] for o in done} == {2, 64}
+    slots = {o.run_id: Store(db).load_run(o.run_id).summary["slot"] for o in done}
+    assert all(slot["node_id"] != second for slot in slots.values())
+    by_round = {}
+    for o in done:
+        by_round.setdefault(o.repeat, set()).add((tuple(slots[o.run_id]["gpus"]), slots[o.run_id]["node_id"]))
+    assert all(len(s) == 1 for s in by_round.values()), by_round  # a round stays on its slot
+    first_round, second_round = sorted(by_round)
+    assert by_round[first_round] != by_round[second_round]  # two slots at once
+    spans = {r: [(slots[o.run_id]["started"], slots[o.run_id]["ended"]) for o in done if o.repeat == r]
+             for r in by_round}
+    starts, ends = (min(s for s, _ in spans[r]) for r in spans), (max(e for _, e in spans[r]) for r in spans)
+    assert max(starts) < min(ends), spans  # the two rounds ran at the same time
+    shown = " ".join(getattr(b, "text", "") for b in slots_blocks(live_runs(Store(db), "par", ())))
+    assert "on 2 slot(s) of a Ray cluster" in shown  # the report names the slots and says how it tests them
     deadline = time.monotonic() + 5
     while _pids_with_env(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _pids_with_env(mark), "the lost node's server outlived it"  # its task's guard ended it
+
+    # a resume reruns nothing that finished (a failed run is no repeat: it would run again, as serially)
+    again = _race(db, "par", [DEFAULT, WIDE], on_ray.run, pool=on_ray)
+    assert sorted(o.run_id for o in again) == sorted(o.run_id for o in done)
+
+    serial_db = f"sqlite:///{tmp_path}/serial.db"
+    _race(serial_db, "ser", [DEFAULT, WIDE], target.run)
+    serial, parallel = _figures_verdict(serial_db, "ser"), _figures_verdict(db, "par")
+    # the same leader both ways; with 2 runs each a verdict's test has a degree of freedom or two, and
+    # on a loaded 2-core host the runs' spread can keep "better" from being shown, serially or not:
+    # the kinds are compared where the benchmark runs more (benchmarks/parallel_stage2.py)
+    assert serial.leader.params == parallel.leader.params == WIDE
+    assert {serial.kind, parallel.kind} <= {"better", "keep_default"}
