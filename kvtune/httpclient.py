@@ -7,6 +7,8 @@ library's `http` for everything Locust imports.
 """
 from __future__ import annotations
 
+import functools
+import ssl
 import urllib.parse
 
 import httpx
@@ -25,8 +27,18 @@ def http_client(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Cli
     """An httpx.Client for the server at `url`. Redirects are followed (as urllib and requests
     did). A proxy from the environment must not carry requests to this machine's own servers:
     for a loopback `url` the environment is not read (trust_env=False); another machine is
-    reached as the environment says (HTTP(S)_PROXY, NO_PROXY, SSL_CERT_FILE)."""
-    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=not is_loopback(url), **kwargs)
+    reached as the environment says (HTTP(S)_PROXY, NO_PROXY, SSL_CERT_FILE). A loopback client
+    shares one SSL context: building one loads the CA bundle, a core's work of tens of
+    milliseconds, and a health check polls several times a second."""
+    if not is_loopback(url):
+        return httpx.Client(timeout=timeout, follow_redirects=True, **kwargs)
+    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=False, verify=_loopback_ssl(), **kwargs)
+
+
+@functools.cache
+def _loopback_ssl() -> ssl.SSLContext:
+    """httpx's default context (certifi's CAs, no environment read), made once per process."""
+    return httpx.create_ssl_context(trust_env=False)
 
 
 def http_get(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Response:

@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from kvtune.httpclient import http_get
 from kvtune.targets.process import free_port
 
 
@@ -27,7 +28,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvengine serve exited with {self.proc.returncode}:\n{self.proc.stdout.read()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if http_get(self.url + "/health", timeout=1.0).status_code == 200:  # one SSL context for every poll
                     return
             except httpx.HTTPError:
                 pass
@@ -57,7 +58,7 @@ def scrape(url: str) -> dict[str, float]:
     """One /metrics scrape as {sample name{labels}: value}, parsed by prometheus_client."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = http_get(url + "/metrics", timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
