@@ -222,7 +222,7 @@ def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tm
             time.sleep(0.2)
         assert len(_pids_with_env(mark)) >= 2, "two servers never started"
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=60)  # a 2-core host busy with a fresh cluster is slow to answer
         assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
         deadline = time.monotonic() + 5
         while _pids_with_env(mark) and time.monotonic() < deadline:

@@ -1,5 +1,6 @@
 """`kvengine serve` over real HTTP on 127.0.0.1: the OpenAI surface, SSE, errors, /metrics."""
 import asyncio
+import time
 import json
 import random
 
@@ -154,8 +155,21 @@ def test_stop_strings_and_stop_token_ids(server):
     assert choice["text"] == text[:text.index(stop)]
 
 
+def quiet_scrape(url: str) -> dict:
+    """A scrape once the server has nothing running or waiting (an earlier test's request, aborted by
+    its client, may still be counting its last tokens) and its counters hold still."""
+    previous = None
+    for _ in range(100):
+        m = scrape(url)
+        if m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 and m == previous:
+            return m
+        previous = m
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never went quiet: {previous}")
+
+
 def test_metrics_agree_with_what_was_sent(server):
-    before = scrape(server.url)
+    before = quiet_scrape(server.url)
     prompt = [3000 + i for i in range(200)]  # 12 full blocks of 16
     for _ in range(2):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "ignore_eos": True})

@@ -18,7 +18,8 @@ from kvtune.store import Store
 from kvtune.targets.process import new_log
 from kvtune.targets.rules import vllm_rules
 from kvtune.workload import TraceRequest, Workload, write_workload
-from test_live_targets import kvtune, small_workload
+from kvtune_cli import kvtune
+from test_live_targets import small_workload
 from vllmserver import vllm_command
 
 # The sim executor's llama-3-8b on an L4: it serves at 0.9 of its memory; at 0.5 the weights do not fit
