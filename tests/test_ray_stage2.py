@@ -210,30 +210,6 @@ SIGINT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tmp_path):
-    mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
-    script = tmp_path / "cancel.py"
-    script.write_text(SIGINT_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), cluster.address, mark.split("=")[1]],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while len(_pids_with_env(mark)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-        assert len(_pids_with_env(mark)) >= 2, "two servers never started"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)  # a 2-core host busy with a fresh cluster is slow to answer
-        assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
-        deadline = time.monotonic() + 5
-        while _pids_with_env(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _pids_with_env(mark), "a server outlived its cancelled task"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 def test_a_ray_address_with_no_cluster_is_refused_before_anything_is_written(tmp_path):
     trace = tmp_path / "t.jsonl"
     from kvtune.workload import write_workload
@@ -364,6 +340,30 @@ def _parent(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError):
         return None
+
+
+def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tmp_path):
+    mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
+    script = tmp_path / "cancel.py"
+    script.write_text(SIGINT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address, mark.split("=")[1]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(_pids_with_env(mark)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert len(_pids_with_env(mark)) >= 2, "two servers never started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)  # a 2-core host busy with a fresh cluster is slow to answer
+        assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
+        deadline = time.monotonic() + 5
+        while _pids_with_env(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _pids_with_env(mark), "a server outlived its cancelled task"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_rounds_at_once_one_slot_each_a_lost_node_fails_its_round_alone_the_verdict_agrees_with_serial(
