@@ -32,11 +32,11 @@ def http_client(url: str, timeout: float | httpx.Timeout, **kwargs) -> httpx.Cli
     milliseconds, and a health check polls several times a second."""
     if not is_loopback(url):
         return httpx.Client(timeout=timeout, follow_redirects=True, **kwargs)
-    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=False, verify=_loopback_ssl(), **kwargs)
+    return httpx.Client(timeout=timeout, follow_redirects=True, trust_env=False, verify=loopback_ssl(), **kwargs)
 
 
 @functools.cache
-def _loopback_ssl() -> ssl.SSLContext:
+def loopback_ssl() -> ssl.SSLContext:
     """httpx's default context (certifi's CAs, no environment read), made once per process."""
     return httpx.create_ssl_context(trust_env=False)
 

@@ -10,7 +10,6 @@ import os
 import random
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from kvtune.httpclient import loopback_ssl
 
 from serverproc import ServerProcess, free_port, scrape
 
@@ -31,7 +32,7 @@ VOCAB = 32000
 # Every request here goes to http://127.0.0.1 on a connection of its own, as httpx.get/post/stream
 # open one. Those build a client per call, and with it a certificate-verifying SSL context (~40 ms
 # of CPU, most of what the fuzz spent per example); one context, made once, serves every call.
-TLS = ssl.create_default_context()
+TLS = loopback_ssl()
 
 
 def http_get(url: str, **kwargs) -> httpx.Response:
