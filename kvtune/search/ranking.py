@@ -179,9 +179,7 @@ def _sim_verdict(sim_done, pair, default, slos):
     if not ranked:
         return Verdict(None, None, None, kind=FAILED, reasons=["no stage-1 trial completed"]), []
 
-    def beyond_tie(a: Candidate, b: Candidate) -> str | None:
-        if a.sim is None or b.sim is None or not (a.sim.ok and b.sim.ok):
-            return None
+    def beyond_tie(a: Candidate, b: Candidate) -> str | None:  # both completed stage 1 (`ordered`)
         if a.sim.feasible and not b.sim.feasible:
             return "the other misses the SLOs on the simulator"
         va, vb = a.sim.value, b.sim.value
@@ -247,7 +245,7 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
         verdict.reasons = [f"no config beats {default.label} by a Welch t-test at the error budget" if stage == "live"
                            else f"no config beats {default.label} by more than {SIM_TIE:.0%} on the simulator"]
         return verdict
-    if default_in is None or not default_in.on(stage).ok:
+    if default_in is None:  # every config in `ordered` completed on `stage`: the default did not
         verdict.recommended = _simplest(tied, default, slos)
         verdict.reasons = [f"{default.label} did not complete a run" if stage == "live" else
                            f"{default.label} was not measured"]
