@@ -207,7 +207,7 @@ def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, ear
     early.wait_all()  # calibration times the server's steps: nothing else may share the host
     db = f"sqlite:///{tmp_path}/cal.db"
     p = kvtune("calibrate", "--target", vllm_url, "--preset", "tiny", "--device", "cpu", "--quick",
-               "--max-batch", "8", "--max-prompt", "256", "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
+               "--max-batch", "4", "--max-prompt", "128", "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
     if p.returncode == 0:
         profile = json.loads(p.stdout.strip().splitlines()[-1])
         assert profile["name"] == "vllm-cpu"
