@@ -1,5 +1,5 @@
 """Stage 1 and stage 2 on a real local Ray cluster (`kvtune search --ray`): rounds at once on the
-slots, each round on one slot, the verdict the serial race gives, a config that cannot start failing
+slots, each round on one slot, the leader a serial race finds, a config that cannot start failing
 only its runs, a node lost mid-round failing that round's runs with Ray's reason while the stage goes
 on, a resume that reruns nothing, Ctrl-C ending every server, a --ray address with no cluster
 refused; stage 1's trials as Ray tasks sharing the study, each trial asked run once and a rerun adding
@@ -366,7 +366,7 @@ def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tm
             proc.wait()
 
 
-def test_rounds_at_once_one_slot_each_a_lost_node_fails_its_round_alone_the_verdict_agrees_with_serial(
+def test_rounds_at_once_one_slot_each_a_lost_node_fails_its_round_alone_the_wider_config_leads(
         cluster, pool, tmp_path):
     """Three rounds of the default, a wider config and one that cannot start, at once on the three
     slots, so that one runs on the second node; once its first server runs there (a child of the
@@ -432,11 +432,9 @@ def test_rounds_at_once_one_slot_each_a_lost_node_fails_its_round_alone_the_verd
     again = _race(db, "par", [DEFAULT, WIDE], on_ray.run, pool=on_ray)
     assert sorted(o.run_id for o in again) == sorted(o.run_id for o in done)
 
-    serial_db = f"sqlite:///{tmp_path}/serial.db"
-    _race(serial_db, "ser", [DEFAULT, WIDE], target.run)
-    serial, parallel = _figures_verdict(serial_db, "ser"), _figures_verdict(db, "par")
-    # the same leader both ways; with 2 runs each a verdict's test has a degree of freedom or two, and
-    # on a loaded 2-core host the runs' spread can keep "better" from being shown, serially or not:
-    # the kinds are compared where the benchmark runs more (benchmarks/parallel_stage2.py)
-    assert serial.leader.params == parallel.leader.params == WIDE
-    assert {serial.kind, parallel.kind} <= {"better", "keep_default"}
+    # the leader a serial race finds (64 slots against 2); with 2 runs each a verdict's test has a degree
+    # of freedom or two, and on a loaded 2-core host the runs' spread can keep "better" from being shown:
+    # serial and parallel verdicts are compared where the benchmark runs more (benchmarks/parallel_stage2.py)
+    parallel = _figures_verdict(db, "par")
+    assert parallel.leader.params == WIDE
+    assert parallel.kind in ("better", "keep_default")
