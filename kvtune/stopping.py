@@ -9,6 +9,7 @@ child is in the caller's hands.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import threading
@@ -17,23 +18,30 @@ from typing import Callable
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def spawn(command: list[str], keep: Callable[[subprocess.Popen], None], **popen_kwargs) -> subprocess.Popen:
-    """Popen(`command`), handed to `keep` (which records it for the caller's cleanup) before any
-    stop signal that came meanwhile is handled."""
+@contextlib.contextmanager
+def stop_signals_held():
+    """A block that no stop signal interrupts: one that comes meanwhile is handled as it ends, so
+    that what the block made (a child, a trial in the store) is already in its caller's hands."""
     if threading.current_thread() is not threading.main_thread():  # signals only reach the main thread
-        proc = subprocess.Popen(command, **popen_kwargs)
-        keep(proc)
-        return proc
+        yield
+        return
     held: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum)) for sig in STOP_SIGNALS}
     try:
-        proc = subprocess.Popen(command, **popen_kwargs)
-        keep(proc)
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        if held:  # now the handler's exception unwinds through a caller that holds the child
+        if held:  # now the handler's exception unwinds through a caller that holds what was made
             signal.raise_signal(held[0])
+
+
+def spawn(command: list[str], keep: Callable[[subprocess.Popen], None], **popen_kwargs) -> subprocess.Popen:
+    """Popen(`command`), handed to `keep` (which records it for the caller's cleanup) before any
+    stop signal that came meanwhile is handled."""
+    with stop_signals_held():
+        proc = subprocess.Popen(command, **popen_kwargs)
+        keep(proc)
     return proc
 
 

@@ -29,7 +29,7 @@ from kvengine.config import EngineConfig
 
 from ..store import Store
 from ..targets import TargetRunError, TargetStartError
-from ..stopping import failure_reason, interruption
+from ..stopping import failure_reason, interruption, stop_signals_held
 from ..workload import rate_scale
 from .objective import Objective
 from .measurement import Measurement
@@ -204,6 +204,16 @@ class Stage1:
         self._enqueued: dict | None = None
         self._trial: optuna.Trial | None = None  # the trial this process runs (or ran last)
         self._measured: Measurement | None = None  # what that trial measured, before Optuna is told
+        self.study.ask = self._ask  # what study.optimize asks for is this process's trial at once (_ask)
+
+    def _ask(self, *args, **kwargs) -> optuna.Trial:
+        """optuna.Study.ask, as study.optimize calls it for each trial: the trial Optuna stores as
+        RUNNING is this process's (`_trial`, nothing measured yet) before a stop signal can be
+        handled, so that _fail_interrupted ends it even when the signal comes before the objective
+        starts (a trial left RUNNING is counted by no one and skipped by every later search)."""
+        with stop_signals_held():
+            self._trial, self._measured = optuna.Study.ask(self.study, *args, **kwargs), None
+        return self._trial
 
     def enqueue(self, params: dict) -> None:
         """A config to try first (vLLM's defaults), once per study."""
@@ -313,14 +323,12 @@ class Stage1:
         keep = full_detail_numbers([_point(t) for t in done] + [this], self._default_params())
         return "full" if number in keep else "summary"
 
-    def _objective(self, trial: optuna.Trial):
-        self._trial = trial
+    def _objective(self, trial: optuna.Trial):  # `trial` is `_trial` (_ask)
         mark_started(trial)
         if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number) >= self.n_trials:
             trial.set_user_attr("surplus", True)  # another process took the last slot
             self.study.stop()
             raise TrialFailed("surplus")
-        self._measured = None
         try:
             record = self._measured = self._run_trial(trial)
         except KeyboardInterrupt:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
