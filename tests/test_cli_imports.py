@@ -67,3 +67,15 @@ def test_no_module_imports_a_dev_only_dependency():
     """)
     assert "kvtune.calibrate.runner" in modules and "kvengine.entrypoints.server" in modules  # it did import them all
     assert [m for m in DEV_ONLY if m in modules] == []
+
+
+def test_the_engine_core_process_loads_no_http_frontend():
+    """What a spawned engine core of `python -m kvengine serve` imports before it builds the engine:
+    the main module again (as __mp_main__), then build_engine's module."""
+    modules = loaded_after("""
+        import runpy
+        runpy.run_module("kvengine.__main__", run_name="__mp_main__")
+        import kvengine.entrypoints.build
+    """)
+    assert [m for m in ("fastapi", "pydantic", "starlette", "uvicorn", "kvengine.entrypoints.server",
+                        "kvengine.entrypoints.protocol") if m in modules] == []

@@ -323,7 +323,7 @@ def _parse(parser, argv):
 
 
 def test_compose_commands_parse_with_kvtune_and_kvengine(compose):
-    from kvengine.__main__ import build_parser as kvengine_parser
+    from kvengine.entrypoints.cli import build_parser as kvengine_parser
 
     from kvtune.cli import build_parser as kvtune_parser
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from checkpoint import write_tiny_llama
-from kvengine.__main__ import build_parser
+from kvengine.entrypoints.cli import build_parser
 from kvengine.entrypoints.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from kvengine.config import DEVICE_PRESETS, EngineConfig, model_preset
 from kvengine.entrypoints.flags import config_from_args, launch_flags

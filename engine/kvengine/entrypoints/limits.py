@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvengine.entrypoints.protocol import APIError
+from kvengine.entrypoints.errors import APIError
 
 
 def _invalid(message: str, param: str, value) -> APIError:

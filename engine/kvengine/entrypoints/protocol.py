@@ -33,9 +33,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvengine.core.request import SamplingParams
+from kvengine.entrypoints.errors import APIError
 
-ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 409: "ConflictError",
-               413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # vLLM's request models bound seed by torch.long (`Field(ge=_LONG_INFO.min, le=_LONG_INFO.max)`).
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -43,19 +42,6 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
 
 
 def bad(param: str, message: str) -> APIError:

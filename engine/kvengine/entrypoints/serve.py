@@ -1,20 +1,17 @@
-"""`kvengine serve`: build the engine the flags describe, then serve it over HTTP."""
+"""`kvengine serve`: start the engine core process (which builds the engine the flags describe:
+kvengine/entrypoints/build.py), then serve it over HTTP."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import logging
 import os
 import sys
 import threading
 
 from kvengine.entrypoints.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from kvengine.engine.clock import WallClock
-from kvengine.config import ConfigError, device_preset, model_preset
-from kvengine.executor.cost import CostCoefficients, check_ranges
-from kvengine.engine.llm_engine import LLMEngine
-from kvengine.entrypoints.flags import config_from_args, limits_from_args
+from kvengine.config import ConfigError
+from kvengine.entrypoints.build import build_engine
+from kvengine.entrypoints.flags import limits_from_args
 from kvengine.engine.core_client import EngineClient
 from kvengine.engine.core import GIL_SWITCH_INTERVAL_S
 from kvengine.metrics.prometheus import EngineMetrics
@@ -23,55 +20,6 @@ from kvengine.entrypoints.server import ServerState, create_app, timed_protocol
 # After the engine core dies, in-flight streams get their 503 error chunk; a connection still
 # open this long after is cut, so the exit (and the supervisor's restart) comes promptly.
 DEATH_GRACE_S = 5.0
-
-
-def load_coefficients(path: str | None) -> CostCoefficients | None:
-    """A JSON object of CostCoefficients fields (others keep their defaults)."""
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ConfigError(f"--cost-profile {path}: {err.strerror}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"--cost-profile {path}: not valid JSON ({err})") from None
-    known = {f.name for f in dataclasses.fields(CostCoefficients)}
-    if not isinstance(data, dict) or set(data) - known:
-        raise ConfigError(f"--cost-profile {path}: expected an object with some of {', '.join(sorted(known))}")
-    try:
-        coefficients = CostCoefficients(**data)
-        check_ranges(coefficients)
-    except ValueError as err:
-        raise ConfigError(f"--cost-profile {path}: {err}") from None
-    return coefficients
-
-
-def build_engine(args):
-    """Runs in the engine core process: the engine the flags describe, its tokenizer and model name."""
-    config = config_from_args(args)
-    if args.executor == "sim":
-        if args.model:
-            raise ConfigError("--model needs --executor torch: the sim executor runs no weights")
-        device = device_preset(args.device)
-        model = model_preset(args.preset)
-        from kvengine.model.tokenizer import ByteTokenizer
-        tokenizer = ByteTokenizer(model.vocab_size)
-        engine = LLMEngine(config, model, device, clock=WallClock(), record_steps=False,
-                           eos_token_id=tokenizer.eos_token_id,
-                           cost_coefficients=load_coefficients(args.cost_profile))
-        return engine, tokenizer, model.name
-    if args.cost_profile:
-        raise ConfigError("--cost-profile needs --executor sim: the torch executor's steps take real time")
-    from kvengine.model.hf import CheckpointError
-    from kvengine.engine.torch_engine import build_torch_engine
-    try:
-        engine = build_torch_engine(config, preset=args.preset, model_path=args.model, device=args.device,
-                                    device_memory=args.device_memory, seed=args.seed, own_process=True)
-    except CheckpointError as err:  # its message starts with the folder; name the flag too
-        raise ConfigError(f"--model {err}") from None
-    engine.record_steps = False
-    return engine, engine.executor.tokenizer, args.model or engine.model.name
 
 
 def chat_template(args) -> ChatTemplate | None:
