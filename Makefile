@@ -72,7 +72,11 @@ $(VLLM_STAMP):
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# The suite starts a few hundred Python processes (CLIs, servers, their engine cores, Locust): with the
+# bytecode compiled once here, none compiles kvtune's modules again where the environment has Python
+# write none (PYTHONDONTWRITEBYTECODE).
 test: $(STAMP) $(VLLM_STAMP) promtool postgres chromium docs
+	$(VPY) -m compileall -q -j 0 kvtune engine/kvengine tests benchmarks >/dev/null
 	$(VPY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 DEMO_TRACE   := kvtune/data/demo_pressure.jsonl
