@@ -28,6 +28,7 @@ from optuna.trial import TrialState
 from kvengine.config import EngineConfig
 
 from ..store import Store
+from ..store.schema import configure_sqlite
 from ..targets import TargetRunError, TargetStartError
 from ..stopping import failure_reason, interruption, stop_signals_held
 from ..workload import rate_scale
@@ -63,9 +64,16 @@ def open_storage(db_url: str, heartbeat_s: float = 30.0) -> optuna.storages.RDBS
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
-                                                  heartbeat_interval=int(max(1, heartbeat_s)),
-                                                  grace_period=int(max(3, 3 * heartbeat_s)))
+                storage = optuna.storages.RDBStorage(db_url, engine_kwargs=engine_kwargs,
+                                                     heartbeat_interval=int(max(1, heartbeat_s)),
+                                                     grace_period=int(max(3, 3 * heartbeat_s)))
+            if db_url.startswith("sqlite"):
+                # Optuna's sessions read, then write: begun deferred, SQLite fails one at once ("database
+                # is locked") where another writer (its heartbeat thread, a second search) holds the
+                # lock, instead of waiting its turn. The pool's connections are made again with it.
+                configure_sqlite(storage.engine, every_transaction_writes=True)
+                storage.engine.dispose()
+            return storage
         except sqlalchemy.exc.DatabaseError as err:
             # Two searches starting at once both create Optuna's schema; the loser retries.
             # PostgreSQL reports the lost race as IntegrityError (pg_type's unique key) or

@@ -158,7 +158,10 @@ def add_new_columns(engine: Engine) -> None:
                     conn.execute(sql_text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
 
 
-def configure_sqlite(engine: Engine) -> None:
+def configure_sqlite(engine: Engine, every_transaction_writes: bool = False) -> None:
+    """WAL, foreign keys, and writers that take the lock when they begin. The store says which of
+    its transactions write (execution option kvtune_write); Optuna's storage does not, and its
+    sessions read and then write, so `every_transaction_writes` begins each one as a writer."""
     @event.listens_for(engine, "connect")
     def on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
@@ -171,5 +174,5 @@ def configure_sqlite(engine: Engine) -> None:
     def on_begin(conn):
         # A deferred transaction that reads and then writes cannot wait for the lock:
         # SQLite fails it at once. Writers take the lock up front and wait their turn.
-        write = conn.get_execution_options().get("kvtune_write", False)
+        write = every_transaction_writes or conn.get_execution_options().get("kvtune_write", False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
