@@ -1,7 +1,6 @@
 """prompt_token_ids: deterministic, in range, sharing exactly what hash_ids share."""
 from __future__ import annotations
 
-import time
 
 import numpy as np
 from hypothesis import given, settings
@@ -100,22 +99,17 @@ def test_sharing_matches_the_ids(ids, block, data):
         assert a[shared:] != b[shared:]
 
 
-def test_a_real_trace_tokenises_fast():
+def test_a_real_trace_tokenises_to_its_lengths():
+    """(How fast: benchmarks/replay_speed.py's tokenise figure.)"""
     w = read_workload(AZURE_CONV)
-    start = time.perf_counter()
-    total = sum(len(t) for t in workload_prompt_token_ids(w))
-    elapsed = time.perf_counter() - start
-    assert total == sum(r.input_length for r in w)
-    assert elapsed < 2.0, f"{total} tokens took {elapsed:.2f} s"
+    assert sum(len(t) for t in workload_prompt_token_ids(w)) == sum(r.input_length for r in w)
 
 
-def test_mooncake_style_trace_tokenises_fast():
+def test_mooncake_style_trace_shares_its_prefix_blocks():
     rng = np.random.default_rng(0)
     requests = []
     for i in range(400):  # a shared prefix of 1-39 blocks, then a block of its own
         ids = tuple(range(int(rng.integers(1, 40)))) + (1000 + i,)
         requests.append(TraceRequest(float(i), len(ids) * 512, 1, ids))
-    start = time.perf_counter()
     tokens = list(workload_prompt_token_ids(Workload(requests)))
-    assert time.perf_counter() - start < 2.0
     assert tokens[0][:512] == tokens[1][:512]
