@@ -41,16 +41,14 @@ def _seeded_ui_database(folder):
 
 # `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile), each
 # taking the next file as it runs out. The files holding the longest tests go first, so that no worker
-# is left alone with one at the end. Beside the serial file (first, below) the other worker runs files
-# of tests in its own process (fits, rankings), not the vLLM starts that took the serial calibration's
-# memory reads 10 % off; the files that mostly wait (on Prometheus' scrapes and alerts, on a browser)
-# then run beside the vLLM file, whose servers take what CPU they leave, not beside each other. A wrong
-# guess here costs only time.
-LONGEST_FIRST = ("test_calibrate.py", "test_vllm_real.py", "test_ranking.py",
-                 "test_prometheus_real.py", "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_ui.py",
-                 "test_vllm_sizing.py", "test_fix_validity.py", "test_ray_stage2.py",
-                 "test_search.py", "test_live_targets.py", "test_server_hostile.py", "test_signals.py",
-                 "test_vllm_differential.py")
+# is left alone with one at the end. Beside the serial file (first, below) the other worker runs a file
+# of tests in its own process (fits), not the vLLM starts that took the serial calibration's memory
+# reads 10 % off. A wrong guess here costs only time.
+LONGEST_FIRST = ("test_calibrate.py", "test_vllm_real.py", "test_vllm_sizing.py", "test_fix_validity.py",
+                 "test_ray_stage2.py",
+                 "test_search.py", "test_live_targets.py", "test_prometheus_real.py",
+                 "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_ui.py", "test_server_hostile.py",
+                 "test_signals.py", "test_vllm_differential.py")
 
 
 # The files of `serial` tests go first: one runs beside the other worker's first files, which yield
