@@ -285,6 +285,7 @@ def _trace(tmp_path):
 ENGINE_FLAGS = ["--target", "engine", "--executor", "sim", "--preset", "tiny", "--device", "h100-80gb"]
 
 
+@pytest.mark.serial  # the calibration times the host: a loaded one had its fit refused
 def test_kvtune_run_and_calibrate_on_ray_start_their_servers_in_tasks_side_by_side(cluster, pool, tmp_path):
     """`kvtune run --ray` and `kvtune calibrate --ray` at once, two drivers on a slot each (the cluster
     has three): the run is stored with its slot on the cluster, and the profile fitted in its task is
