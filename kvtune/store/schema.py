@@ -166,7 +166,7 @@ def configure_sqlite(engine: Engine, every_transaction_writes: bool = False) -> 
     def on_connect(dbapi_conn, _record):
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
+        _set_wal(cursor)  # readers never block the writer, nor it them
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
@@ -176,3 +176,19 @@ def configure_sqlite(engine: Engine, every_transaction_writes: bool = False) -> 
         # SQLite fails it at once. Writers take the lock up front and wait their turn.
         write = every_transaction_writes or conn.get_execution_options().get("kvtune_write", False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _set_wal(cursor) -> None:
+    """PRAGMA journal_mode=WAL, again while another process opening a new database at the same moment
+    holds the lock it needs: SQLite refuses that change at once ("database is locked") instead of
+    waiting its busy timeout."""
+    import sqlite3
+    import time
+    for attempt in range(100):
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or attempt == 99:
+                raise
+            time.sleep(0.05)
