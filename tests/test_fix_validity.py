@@ -3,8 +3,9 @@ refusing the workload's requests is not printed as one (issue #39).
 
 The runs are real sim runs; a CPU vLLM's run is the sim run as that server's target stores it (its
 VLLM_CPU_KVCACHE_SPACE, its block sizes, the block count it reported). The failed start is the
-simulator's own, and the real CPU vLLM log of tests/data/start-failures. The last test starts the
-real CPU vLLM (.venv-vllm) with each fix printed for that log.
+simulator's own, and the real CPU vLLM log of tests/data/start-failures. The last tests start the
+real CPU vLLM (.venv-vllm) with each fix printed for that log, and send the pool the fix sized more
+than it holds.
 """
 import contextlib
 import dataclasses
@@ -257,19 +258,26 @@ def test_a_pool_fixed_by_an_override_is_grown_to_hold_one_request(tmp_path):
     assert "--kv-cache-dtype" not in f5.fix and "--gpu-memory-utilization" not in f5.fix
 
 
-@pytest.mark.slow
-def test_cpu_vllm_starts_with_each_printed_fix(tmp_path):
-    """The log's own flags and pool (VLLM_CPU_KVCACHE_SPACE=1), with one printed fix applied each time:
-    each start must come up (fp8, once printed here, holds no more than 96 tokens in 4 blocks)."""
+@dataclasses.dataclass
+class FixedServer:
+    fix: object  # the printed trial whose change this server was started with
+    server: object  # kvtune.targets.process.ManagedServer
+
+
+@pytest.fixture(scope="module")
+def fixed_servers(tmp_path_factory):
+    """The log's own flags and pool (VLLM_CPU_KVCACHE_SPACE=1), with one printed fix applied to each
+    server, all started side by side (a vLLM start is one busy core). A start error, with vLLM's root
+    cause, fails the test that asked; every server ends with the module."""
     from checkpoint import write_tiny_llama
     from vllmserver import ENV, START_TIMEOUT_S, TEST_ARGS, vllm_command
 
     from kvtune.targets.process import ManagedServer, free_port
 
     command = vllm_command()  # skips, saying how to get vLLM, when there is none
-    fixes = printed([diagnosed_log(tmp_path)])
-    assert 0 < len(fixes) <= 2  # each is one start of vLLM
-    model = str(write_tiny_llama(tmp_path / "tiny-llama"))
+    folder = tmp_path_factory.mktemp("fixed")
+    fixes = printed([diagnosed_log(folder)])
+    model = str(write_tiny_llama(folder / "tiny-llama"))
     servers = []
     for t in fixes:
         flags = {"--" + k.replace("_", "-"): str(v) for k, v in LOG_CONFIG.items()}
@@ -278,12 +286,50 @@ def test_cpu_vllm_starts_with_each_printed_fix(tmp_path):
         port = free_port()
         argv = [*command.split(), "--model", model, "--host", "127.0.0.1", "--port", str(port),
                 *[w for kv in flags.items() for w in kv], *TEST_ARGS.split()]
-        servers.append(ManagedServer(argv, port, START_TIMEOUT_S, env=env, log_dir=str(tmp_path / "logs")))
-    # Started side by side (a vLLM start is one busy core): a start error, with vLLM's root cause,
-    # fails the test, and every server ends with it.
+        servers.append(FixedServer(t, ManagedServer(argv, port, START_TIMEOUT_S, env=env, log_dir=str(folder / "logs"))))
     with contextlib.ExitStack() as stack:
-        for server in servers:
-            stack.callback(server.stop)
+        for each in servers:
+            stack.callback(each.server.stop)
         with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(ManagedServer.start, servers))
-        assert all(server.alive for server in servers), [t.change for t in fixes]
+            list(pool.map(lambda each: each.server.start(), servers))
+        yield servers
+
+
+@pytest.mark.slow
+def test_cpu_vllm_starts_with_each_printed_fix(fixed_servers):
+    """Each start must come up (fp8, once printed here, holds no more than 96 tokens in 4 blocks)."""
+    assert 0 < len(fixed_servers) <= 2  # each is one start of vLLM
+    assert all(each.server.alive for each in fixed_servers), [each.fix.change for each in fixed_servers]
+
+
+def tight_workload() -> Workload:
+    """20 requests at once (the fewest a diagnosis judges), 64-token prompts growing by 128 tokens each:
+    2,880 tokens at their longest against the 2,048 of the fixed pool's usable blocks."""
+    return synthesize(SynthSpec(num_requests=20, rate=200.0, input_len=IntDist.fixed(64),
+                                output_len=IntDist.fixed(128), seed=2))
+
+
+@pytest.mark.slow
+def test_the_pool_the_fix_sized_preempts_under_more_than_it_holds_and_is_diagnosed_f6(fixed_servers, tmp_path):
+    """The override fix sizes the pool for one 2,048-token request; 20 requests that outgrow it as they
+    decode are preempted (vLLM's own counters say how many), and `kvtune diagnose` finds F6."""
+    import json
+
+    from kvtune_cli import kvtune
+    from kvtune.store import Store
+    from kvtune.workload import write_workload
+
+    [served] = [each.server for each in fixed_servers if each.fix.flag == "--num-gpu-blocks-override"]
+    workload, trace, db = tight_workload(), tmp_path / "tight.jsonl", f"sqlite:///{tmp_path}/tight.db"
+    write_workload(workload, str(trace))
+    p = kvtune("run", "--target", served.url, "--workload", trace, "--db", db, "--json")
+    assert p.returncode == 0, p.stderr + p.stdout
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["completed"] == 20
+    assert s["server_preemptions"] > 0
+    assert 0 < s["server_requests_preempted"] <= 20  # from vllm:request_num_preemptions, not the clients
+    assert s["server_prompt_tokens"] >= sum(r.input_length for r in workload.requests)
+    assert Store(db).load_run(s["run_id"]).config["num_gpu_blocks"] == 65  # read back: cache_config_info
+    d = kvtune("diagnose", "--run", s["run_id"], "--db", db, "--json")
+    found = {x["id"]: x for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]}
+    assert "F6" in found and found["F6"]["severity"] in ("warning", "critical"), found

@@ -7,14 +7,8 @@ Prometheus of its own scraping it); the others start their own through kvtune,
 as an operator's command would.
 """
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -59,61 +53,10 @@ def shared_prefix_trace(tmp_path_factory):
     return str(path), workload
 
 
-@dataclass
-class Early:
-    """kvtune commands that start their own vLLM, launched when the module's first vLLM test begins
-    so that their vLLM starts (a core's worth of imports each) overlap the shared server's; each
-    test collects its command's result. Timing-sensitive tests wait for all of them first."""
-    folder: Path
-    procs: dict = field(default_factory=dict)
-    done: dict = field(default_factory=dict)
-
-    def start(self, name: str, *args: str) -> None:
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "kvtune", *args], stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-    def result(self, name: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        if name not in self.done:
-            proc = self.procs[name]
-            out, err = proc.communicate(timeout=timeout)
-            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        return self.done[name]
-
-    def wait_all(self) -> None:
-        for name in self.procs:
-            self.result(name)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.communicate(timeout=60)
-
-
-TINY_POOL_TEST = "test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6"
-
-
 @pytest.fixture(scope="module")
-def early(request, checkpoint, shared_prefix_trace, tmp_path_factory):
-    vllm_command()  # skips, saying how to get vLLM, when there is none
-    wanted = {item.name for item in request.session.items if item.module is request.module}
-    runs = Early(tmp_path_factory.mktemp("early"))
-    try:
-        if TINY_POOL_TEST in wanted:
-            trace = runs.folder / "tight.jsonl"
-            write_workload(tiny_pool_workload(), str(trace))
-            runs.start("tiny", "run", "--target", "vllm", "--model", checkpoint, "--workload", str(trace),
-                       "--block-size", "32", "--num-gpu-blocks-override", "64", "--max-model-len", MAX_MODEL_LEN,
-                       *server_flags(), "--db", f"sqlite:///{runs.folder}/tiny.db", "--json")
-        yield runs
-    finally:
-        runs.stop()
-
-
-@pytest.fixture(scope="module")
-def vllm_url(early, checkpoint, tmp_path_factory):
+def vllm_url(checkpoint, tmp_path_factory):
     """One vLLM for the tests that only send traffic and read (block size 32, its own pool of 1 GiB)."""
-    port = free_port()
+    port = free_port()  # vllm_command() skips, saying how to get vLLM, when there is none
     command = [*vllm_command().split(), "--model", checkpoint, "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", SERVED_NAME, "--max-model-len", MAX_MODEL_LEN, "--block-size", "32",
                *TEST_ARGS.split()]
@@ -203,8 +146,7 @@ def test_every_dashboard_panel_shows_vllm_under_load(vllm_url, tmp_path):
                                     start, end, STEP_S) == [], key
 
 
-def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, early, tmp_path):
-    early.wait_all()  # calibration times the server's steps: nothing else may share the host
+def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, tmp_path):
     db = f"sqlite:///{tmp_path}/cal.db"
     p = kvtune("calibrate", "--target", vllm_url, "--preset", "tiny", "--device", "cpu", "--quick",
                "--max-batch", "4", "--max-prompt", "128", "--name", "vllm-cpu", "--db", db, "--json", timeout=900)
@@ -221,34 +163,7 @@ def test_calibrate_against_vllm_gives_a_profile_or_a_clear_refusal(vllm_url, ear
         assert not list_profiles(db)
 
 
-def tiny_pool_workload():
-    return synthesize(SynthSpec(num_requests=20, rate=200.0, input_len=parse_dist("384"),
-                                output_len=parse_dist("192"), seed=2))
-
-
-def test_vllm_target_with_a_tiny_pool_preempts_and_is_diagnosed_f6(early):
-    """kvtune starts vLLM itself (module form, no --block-size: the CPU build's own 128 is used
-    and read back); 64 blocks of 32 tokens take five 384-token prompts, which outgrow it as they
-    decode 192 tokens each (20 requests: the fewest a diagnosis judges)."""
-    workload = tiny_pool_workload()
-    db = f"sqlite:///{early.folder}/tiny.db"
-    p = early.result("tiny")
-    assert p.returncode == 0, p.stderr + p.stdout
-    s = json.loads(p.stdout.strip().splitlines()[-1])
-    assert s["completed"] == 20
-    assert s["server_preemptions"] > 0
-    assert 0 < s["server_requests_preempted"] <= 20  # from vllm:request_num_preemptions, not the clients
-    assert s["server_prompt_tokens"] >= sum(r.input_length for r in workload.requests)
-    d = kvtune("diagnose", "--run", str(s["run_id"]), "--db", db, "--json")
-    found = {x["id"]: x for x in json.loads(d.stdout.strip().splitlines()[-1])["diagnoses"]}
-    assert "F6" in found and found["F6"]["severity"] in ("warning", "critical"), found
-    run = Store(db).load_run(s["run_id"])
-    assert run.config["num_gpu_blocks"] == 64 and run.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    assert run.config["launch_module"] == "vllm.entrypoints.openai.api_server"  # the CPU build's venv: module form
-
-
-def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, early, tmp_path):
-    early.wait_all()  # its live stage judges the host's CPU: nothing else may share it
+def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_trace, tmp_path):
     path, _ = shared_prefix_trace
     db = f"sqlite:///{tmp_path}/s.db"
     # One run per config keeps the suite's vLLM starts at two (the check's server runs the default,
@@ -275,6 +190,9 @@ def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_tra
     default = live["live default #1"]
     assert default.config["block_size"] == 128 and default.config["max_num_seqs"] == 128
     assert default.config["server_version"] == "0.32.0" and "score" in default.summary
+    # how kvtune started it: the CPU build's venv runs the module form, its pool sized by the variable
+    assert default.config["launch_env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert default.config["launch_module"] == "vllm.entrypoints.openai.api_server"
     report = (tmp_path / "rep" / "report.md").read_text()
     assert "measured on vLLM 0.32.0, 1 run of each config" in report  # the verdict, as the terminal said it
     assert "a live vLLM 0.32.0 server started by kvtune" in report  # what was measured, where
