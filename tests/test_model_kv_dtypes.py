@@ -1,14 +1,12 @@
 """What a quantized KV cache costs in accuracy, on the tiny preset (random weights).
 
 One 64-token prompt, 256 greedy tokens under `auto` are the reference. For each
-quantized kv_cache_dtype:
-  - teacher-forced: the same 256 tokens are fed back (a forced sampler), so
-    every position sees the same history; the largest |logit - auto logit| and
-    the share of positions whose argmax equals auto's;
-  - free-running: the dtype's own greedy tokens, and the share equal to auto's.
-A random model's logits are nearly flat (std ~0.3 over 32000 ids), so its
-greedy tokens flip at the smallest error: the free-running share is a harsh
-measure; the teacher-forced numbers are the stable ones. Printed with -s.
+quantized kv_cache_dtype, teacher-forced: the same 256 tokens are fed back (a
+forced sampler), so every position sees the same history; the largest
+|logit - auto logit| and the share of positions whose argmax equals auto's.
+Free-running greedy tokens are not compared: a random model's logits are nearly
+flat (std ~0.3 over 32000 ids), so its greedy tokens flip at the smallest error
+and their share bounds nothing. Printed with -s.
 """
 import pytest
 import torch
@@ -56,15 +54,10 @@ def auto():
 def test_quantized_kv_cache_error_vs_auto(auto, dtype):
     ref_tokens, ref_logits = auto
     _, logits = generate(dtype, forced=ref_tokens)
-    free_tokens, _ = generate(dtype)
     err = (logits - ref_logits).abs().max().item()
     agree = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    free = sum(a == b for a, b in zip(free_tokens, ref_tokens)) / N
-    first = next((i for i, (a, b) in enumerate(zip(free_tokens, ref_tokens)) if a != b), N)
     print(f"\nkv_cache_dtype={dtype}: max |logit - auto| = {err:.4f} (auto logit std "
-          f"{ref_logits.std().item():.3f}); argmax = auto's at {agree:.1%} of {N} teacher-forced "
-          f"positions; free-running greedy tokens = auto's: {free:.1%} (first difference at "
-          f"token {first})")
+          f"{ref_logits.std().item():.3f}); argmax = auto's at {agree:.1%} of {N} teacher-forced positions")
     max_err, min_agree = BOUNDS[dtype]
     assert 0 < err < max_err
     assert agree >= min_agree

@@ -1,5 +1,6 @@
 """`kvtune ui`: every page through Streamlit's AppTest, on a database seeded by real runs and a real search,
 and on an empty one; the Live page against a real bundled engine."""
+import functools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 from kvengine.config import EngineConfig, device_preset, model_preset
 from kvtune_cli import kvtune_main
 from serverproc import ServerProcess, free_port
+from streamlit.components.v2 import manifest_scanner
 from streamlit.testing.v1 import AppTest
 
 import kvtune.ui
@@ -141,6 +143,12 @@ def seeded(ui_database):
 
 
 # ---------------------------------------------------------------- helpers
+
+# Each AppTest scans every installed distribution's metadata for Streamlit components (a second of
+# CPU each; a server does it once at its start): the installed packages do not change while the
+# suite runs, so one scan serves every AppTest here.
+if not hasattr(manifest_scanner.scan_component_manifests, "cache_info"):
+    manifest_scanner.scan_component_manifests = functools.cache(manifest_scanner.scan_component_manifests)
 
 def open_app(db: str, monkeypatch, page: str | None = None) -> AppTest:
     monkeypatch.setenv("KVTUNE_DB", db)
