@@ -230,9 +230,33 @@ def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cach
 
 def predict(observations: list[Observation], times: np.ndarray, client_overhead_s: float,
             client_overhead_busy_s: float | None = None) -> np.ndarray:
-    overhead = {None: 0.0, "idle": client_overhead_s,
-                "busy": client_overhead_s if client_overhead_busy_s is None else client_overhead_busy_s}
-    return np.array([float(np.dot(o.weights, times[o.steps])) + overhead[o.client] for o in observations])
+    """Each timing as the model gives it: its steps' weighted times plus its client overhead."""
+    return Design.of(observations, len(times)).predict(times, client_overhead_s, client_overhead_busy_s)
+
+
+@dataclass
+class Design:
+    """The observations' weights over the steps (one sparse row each) and which carry a client
+    overhead: a fit predicts thousands of times, each then one product."""
+    weights: object  # scipy.sparse.csr_matrix [observations, steps]
+    idle: np.ndarray  # 1.0 where the timing carries the idle client's overhead
+    busy: np.ndarray
+
+    @classmethod
+    def of(cls, observations: list[Observation], num_steps: int) -> "Design":
+        from scipy.sparse import csr_matrix  # here: only calibration pays scipy's import
+
+        rows = np.repeat(np.arange(len(observations)), [len(o.steps) for o in observations])
+        columns = np.concatenate([np.asarray(o.steps, dtype=int) for o in observations] or [np.zeros(0, int)])
+        values = np.concatenate([np.asarray(o.weights, dtype=float) for o in observations] or [np.zeros(0)])
+        weights = csr_matrix((values, (rows, columns)), shape=(len(observations), num_steps))  # repeats summed
+        clients = np.array([o.client for o in observations], dtype=object)
+        return cls(weights, (clients == "idle").astype(float), (clients == "busy").astype(float))
+
+    def predict(self, times: np.ndarray, client_overhead_s: float,
+                client_overhead_busy_s: float | None = None) -> np.ndarray:
+        busy = client_overhead_s if client_overhead_busy_s is None else client_overhead_busy_s
+        return self.weights @ times + self.idle * client_overhead_s + self.busy * busy
 
 
 @dataclass
@@ -455,6 +479,10 @@ class _Problem:
     kv_cache_dtype: str
     block_size: int
     loss: str
+    design: Design = field(init=False)
+
+    def __post_init__(self):
+        self.design = Design.of(self.obs, len(self.shapes))
 
     def solve(self, names: list[str], starts, fixed: CostCoefficients) -> _Solved:
         """The best of least_squares from each start, over the log of `names`, `fixed` holding the rest."""
@@ -470,7 +498,7 @@ class _Problem:
         def residuals(x):
             coeffs, client, busy = unpack(x)
             times = step_times(self.shapes, self.model, self.device, self.kv_cache_dtype, self.block_size, coeffs)
-            return (predict(self.obs, times, client, busy) / self.measured - 1.0) / self.scale
+            return (self.design.predict(times, client, busy) / self.measured - 1.0) / self.scale
 
         best = None
         for start in starts:
