@@ -75,9 +75,11 @@ docs: $(STAMP)
 # The suite starts a few hundred Python processes (CLIs, servers, their engine cores, Locust): with the
 # bytecode compiled once here, none compiles kvtune's modules again where the environment has Python
 # write none (PYTHONDONTWRITEBYTECODE).
+# Three workers on a 2-core host: the suite waits on servers, browsers and Prometheus' scrapes, and a
+# third worker keeps the cores busy meanwhile (tests/conftest.py orders the files).
 test: $(STAMP) $(VLLM_STAMP) promtool postgres chromium docs
 	$(VPY) -m compileall -q -j 0 kvtune engine/kvengine tests benchmarks >/dev/null
-	$(VPY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 DEMO_TRACE   := kvtune/data/demo_pressure.jsonl
 DEMO_STUDY   := demo-$(shell date +%Y%m%d-%H%M%S)

@@ -39,20 +39,21 @@ def _seeded_ui_database(folder):
         server.stop()
 
 
-# `make test` runs the suite on two pytest-xdist workers, a file to a worker (--dist loadfile), each
+# `make test` runs the suite on three pytest-xdist workers, a file to a worker (--dist loadfile), each
 # taking the next file as it runs out. The files holding the longest tests go first, so that no worker
-# is left alone with one at the end. Beside the serial file (first, below) the other worker runs a file
-# of tests in its own process (fits), not the vLLM starts that took the serial calibration's memory
-# reads 10 % off. A wrong guess here costs only time.
-LONGEST_FIRST = ("test_calibrate.py", "test_vllm_real.py", "test_vllm_sizing.py", "test_fix_validity.py",
+# is left alone with one at the end. Beside the serial file (first, below) the other workers run files
+# of tests mostly in their own processes (fits, pages, reports), not the vLLM starts that took the
+# serial calibration's memory reads 10 % off. A wrong guess here costs only time.
+LONGEST_FIRST = ("test_calibrate.py", "test_ui.py", "test_report.py", "test_vllm_real.py", "test_vllm_sizing.py",
+                 "test_fix_validity.py",
                  "test_ray_stage2.py",
                  "test_search.py", "test_live_targets.py", "test_prometheus_real.py",
-                 "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_ui.py", "test_server_hostile.py",
+                 "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_server_hostile.py",
                  "test_signals.py", "test_vllm_differential.py")
 
 
-# The files of `serial` tests go first: one runs beside the other worker's first files, which yield
-# it the CPU (pytest_runtest_protocol), not at the end with the other worker out of work.
+# The files of `serial` tests go first: one runs beside the other workers' first files, which yield
+# it the CPU (pytest_runtest_protocol), not at the end with the other workers out of work.
 SERIAL_FIRST = ("test_calibrate_live.py",)
 
 

@@ -1,6 +1,6 @@
 """kvtune calibrate in real time: a sim-executor engine that kvtune starts, stepping by known
 coefficients, fitted back from its timings. The suite's one test that times the host: `serial`, in a
-file of its own that tests/conftest.py orders first; the other worker yields it the CPU meanwhile."""
+file of its own that tests/conftest.py orders first; the other workers yield it the CPU meanwhile."""
 import dataclasses
 import json
 
