@@ -66,10 +66,22 @@ def vllm_url(checkpoint, tmp_path_factory):
         yield server.url
 
 
-def test_run_against_a_running_vllm_counts_what_vllm_counts(vllm_url, shared_prefix_trace, tmp_path):
+def test_a_run_counts_what_vllm_counts_and_a_watch_beside_it_finds_no_memory_fault(vllm_url, shared_prefix_trace,
+                                                                                    tmp_path):
+    """`kvtune run --target URL` against the shared vLLM, each figure checked against vLLM's own counters,
+    while `kvtune diagnose --url` watches the same server (it only scrapes: the counters stay the run's)."""
     path, workload = shared_prefix_trace
+    watched = {}
+    watch = threading.Thread(target=lambda: watched.update(p=kvtune(
+        "diagnose", "--url", vllm_url, "--duration", "8", "--interval", "0.5", "--json",
+        "--db", f"sqlite:///{tmp_path}/d.db")))
     before = metrics(vllm_url)
-    p = kvtune("run", "--target", vllm_url, "--workload", path, "--db", f"sqlite:///{tmp_path}/runs.db", "--json")
+    watch.start()
+    try:
+        p = kvtune("run", "--target", vllm_url, "--workload", path, "--db", f"sqlite:///{tmp_path}/runs.db",
+                   "--json")
+    finally:
+        watch.join(300)
     assert p.returncode == 0, p.stderr + p.stdout
     after = metrics(vllm_url)
     s = json.loads(p.stdout.strip().splitlines()[-1])
@@ -91,21 +103,12 @@ def test_run_against_a_running_vllm_counts_what_vllm_counts(vllm_url, shared_pre
     assert run.config["block_size"] == 32 and run.config["num_gpu_blocks"] > 0  # read back: cache_config_info
     assert "block_size 32" in p.stdout
 
-
-def test_diagnose_url_watches_vllm_under_load(vllm_url, shared_prefix_trace, tmp_path):
-    path, _ = shared_prefix_trace
-    load = threading.Thread(target=kvtune, args=("run", "--target", vllm_url, "--workload", path,
-                                                 "--rate-scale", "0.5", "--db", f"sqlite:///{tmp_path}/l.db"))
-    load.start()
-    try:
-        p = kvtune("diagnose", "--url", vllm_url, "--duration", "8", "--interval", "0.5", "--json",
-                   "--db", f"sqlite:///{tmp_path}/d.db")
-    finally:
-        load.join(300)
-    assert p.returncode == 0, p.stderr + p.stdout
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    ids = [d["id"] for d in out["diagnoses"]]
+    d = watched["p"]
+    assert d.returncode == 0, d.stderr + d.stdout
+    out = json.loads(d.stdout.strip().splitlines()[-1])
+    ids = [x["id"] for x in out["diagnoses"]]
     assert "F5" not in ids and "F6" not in ids, out  # a roomy pool under light load: no memory faults
+    assert max(Store(f"sqlite:///{tmp_path}/d.db").load_run(out["run_id"]).series["num_running"]) > 0  # saw the run
 
 
 # Panels whose metric only the bundled kvengine exports: no data from vLLM, and the test says so.
