@@ -191,6 +191,9 @@ def evidence(prom: PromServer, instance: str) -> dict[str, list[str]]:
     return shown
 
 
+# serial: the healthy engine must answer each 1 s scrape in time; on a host loaded by the other workers a
+# late /metrics read as the server down (VLLMServerDown pending on the healthy run, seen under -n 3)
+@pytest.mark.serial
 def test_fault_alerts_fire_on_their_fault_and_stay_inactive_on_a_healthy_run(fault_runs):
     prom, runs = fault_runs
     healthy = runs["healthy"]

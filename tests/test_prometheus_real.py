@@ -272,6 +272,8 @@ CAPACITY_ALERTS = {"KVCacheHeadOfLineBlocking", "KVPreemptionsSustained", "KVDem
 HOLD_S = 6.0  # how long they must stay firing while the pressure goes on
 
 
+# serial: the roomy engine must answer each 1 s scrape in time, or a late /metrics reads as the server down
+@pytest.mark.serial
 def test_alerts_fire_on_a_tight_pool_and_stay_inactive_on_a_roomy_one(prom, engines):
     roomy = host_of(engines["roomy"].url)
     tight_server = ServerProcess(*SIM, *TIGHT_POOL)
