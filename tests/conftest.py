@@ -45,11 +45,9 @@ def _seeded_ui_database(folder):
 # of tests mostly in their own processes (fits, pages, reports), not the vLLM starts that took the
 # serial calibration's memory reads 10 % off. A wrong guess here costs only time.
 LONGEST_FIRST = ("test_calibrate.py", "test_ui.py", "test_report.py", "test_vllm_real.py", "test_vllm_sizing.py",
-                 "test_fix_validity.py",
-                 "test_ray_stage2.py",
-                 "test_search.py", "test_live_targets.py", "test_prometheus_real.py",
-                 "test_prometheus_alerts_real.py", "test_ui_browser.py", "test_server_hostile.py",
-                 "test_signals.py", "test_vllm_differential.py")
+                 "test_fix_validity.py", "test_ray_stage2.py", "test_search.py", "test_live_targets.py",
+                 "test_prometheus_real.py", "test_prometheus_alerts_real.py", "test_ui_browser.py",
+                 "test_server_hostile.py", "test_signals.py", "test_vllm_differential.py")
 
 
 # The files of `serial` tests go first: one runs beside the other workers' first files, which yield

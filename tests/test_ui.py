@@ -150,6 +150,7 @@ def seeded(ui_database):
 if not hasattr(manifest_scanner.scan_component_manifests, "cache_info"):
     manifest_scanner.scan_component_manifests = functools.cache(manifest_scanner.scan_component_manifests)
 
+
 def open_app(db: str, monkeypatch, page: str | None = None) -> AppTest:
     monkeypatch.setenv("KVTUNE_DB", db)
     at = AppTest.from_file(APP, default_timeout=60).run()

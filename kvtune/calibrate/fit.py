@@ -228,16 +228,11 @@ def step_times(shapes: np.ndarray, model: ModelSpec, device: DeviceSpec, kv_cach
     return cost.step_times(shapes)
 
 
-def predict(observations: list[Observation], times: np.ndarray, client_overhead_s: float,
-            client_overhead_busy_s: float | None = None) -> np.ndarray:
-    """Each timing as the model gives it: its steps' weighted times plus its client overhead."""
-    return Design.of(observations, len(times)).predict(times, client_overhead_s, client_overhead_busy_s)
-
-
 @dataclass
 class Design:
     """The observations' weights over the steps (one sparse row each) and which carry a client
-    overhead: a fit predicts thousands of times, each then one product."""
+    overhead: `predict` gives each timing as the model does (its steps' weighted times plus its
+    client overhead), and a fit, which predicts thousands of times, builds it once."""
     weights: object  # scipy.sparse.csr_matrix [observations, steps]
     idle: np.ndarray  # 1.0 where the timing carries the idle client's overhead
     busy: np.ndarray
@@ -439,10 +434,10 @@ def fit_coefficients(shapes: np.ndarray, observations: list[Observation], model:
     extra = _QuantizedCost(quantized, model, device, loss, noise_floor)
     fit, costs = _chosen_splits(problem, shared, split_gain, extra)
     times = step_times(shapes, model, device, kv_cache_dtype, block_size, fit.coeffs)
-    for o, p in zip(obs, predict(obs, times, fit.client, fit.busy)):
+    for o, p in zip(obs, problem.design.predict(times, fit.client, fit.busy)):
         o.predicted_s = float(p)
     roofline = step_times(shapes, model, device, kv_cache_dtype, block_size, base)
-    initial = residual_summary(obs, predict(obs, roofline, 0.0))
+    initial = residual_summary(obs, problem.design.predict(roofline, 0.0))
     if quantized is not None:
         costs["quantized_cost"] = extra(fit)
     return FitResult(fit.coeffs, float(fit.client), float(fit.busy), obs, fit.cost, int(fit.sol.nfev),
@@ -610,13 +605,14 @@ def fit_dequant(shapes: np.ndarray, observations: list[Observation], model: Mode
         raise CalibrationError(f"{len(obs)} usable timings of the {kv_cache_dtype} probes: too few to fit "
                                f"{len(DEQUANT)} terms")
     zero = dataclasses.replace(coeffs, **dict.fromkeys(DEQUANT, 0.0))
-    base = predict(obs, step_times(shapes, model, device, kv_cache_dtype, block_size, zero),
-                   client_overhead_s, client_overhead_busy_s)
+    design = Design.of(obs, len(shapes))
+    base = design.predict(step_times(shapes, model, device, kv_cache_dtype, block_size, zero),
+                          client_overhead_s, client_overhead_busy_s)
     per_token = StepCost.build(model, device, kv_cache_dtype, block_size,
                                dataclasses.replace(zero, kv_dequant_per_element_s=1.0)).kv_dequant_s_per_token
     gathered = shapes[:, STEP_SHAPE_FIELDS.index("gathered_tokens")] * per_token
     # Seconds each observation gains per unit of each term: its weighted count of steps, of elements.
-    slopes = np.stack([predict(obs, np.ones(len(shapes)), 0.0, 0.0), predict(obs, gathered, 0.0, 0.0)], axis=1)
+    slopes = np.stack([design.predict(np.ones(len(shapes)), 0.0, 0.0), design.predict(gathered, 0.0, 0.0)], axis=1)
     measured, scale = _weighed(obs, noise_floor)
     a = slopes / (measured * scale)[:, None]
     norms = np.linalg.norm(a, axis=0)
