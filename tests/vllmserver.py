@@ -16,10 +16,12 @@ from kvtune.targets.servers import VLLM_MODULE, default_vllm_command
 
 POOL_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: a fixed pool, whatever else the machine holds
 TEST_ARGS = "--dtype bfloat16 -O0"
-# No VLLM_ENABLE_V1_MULTIPROCESSING=0: `vllm serve`'s AsyncLLM runs its engine core in a process of
-# its own whatever it says (vllm/v1/engine/async_llm.py), spawned on the CPU platform, so each start
-# imports vLLM twice; the suite keeps its starts few instead.
-ENV = {"VLLM_CPU_KVCACHE_SPACE": POOL_GIB, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: `vllm serve` still runs its engine core in a spawned process
+# (vllm/v1/engine/async_llm.py), but the CPU platform then keeps the uni executor
+# (vllm/platforms/cpu.py), so the model runs in the core instead of a third spawned worker: one vLLM
+# import less at each start. OMP_NUM_THREADS=1 leaves the OpenMP binding the mp executor sets up moot.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": POOL_GIB, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 START_TIMEOUT_S = 420.0
 
 
