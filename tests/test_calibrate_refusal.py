@@ -232,7 +232,7 @@ def test_a_refused_calibration_exits_1_says_why_and_saves_nothing(tmp_path, caps
     db = f"sqlite:///{tmp_path}/kvtune.db"
     with StreamServer() as server:
         rc = calibrate_cli("--target", server.url, "--preset", "tiny", "--device", "cpu", "--name", "refused",
-                           "--quick", "--max-batch", "16", "--db", db, "--json")
+                           "--quick", "--max-batch", "8", "--db", db, "--json")
     out, err = capsys.readouterr()
     assert rc == 1, out
     assert "error: calibrate: the fit is not usable as a cost profile" in err

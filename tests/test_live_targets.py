@@ -27,6 +27,7 @@ def small_workload(n=40, rate=20.0, seed=3) -> Workload:
                                 seed=seed))
 
 
+@pytest.mark.serial  # compares the clients' TTFT with the server's: a starved Locust client adds its own wait
 def test_kvtune_run_engine_sim_end_to_end(tmp_path, capsys):
     """Client samples, the server's counters and the store agree on what was sent."""
     trace = tmp_path / "t.jsonl"

@@ -5,7 +5,6 @@ import json
 import random
 
 import httpx
-import openai
 import pytest
 
 from serverproc import ServerProcess, scrape
@@ -25,6 +24,8 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai  # here, not at the top: every pytest-xdist worker collects this file, one runs it
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 

@@ -3,7 +3,6 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 from serverproc import ServerProcess, scrape
@@ -18,6 +17,8 @@ def server():
 
 
 def test_greedy_completion_is_deterministic_and_counted(server):
+    import openai  # here, not at the top: every pytest-xdist worker collects this file, one runs it
+
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     before = scrape(server.url)
     info = next(k for k in before if k.startswith("vllm:cache_config_info"))
