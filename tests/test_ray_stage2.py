@@ -196,7 +196,8 @@ def _figures_verdict(db: str, study: str):
 
 
 SIGINT_SCRIPT = textwrap.dedent("""
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1)  # the test asks where it is stuck when it does not end
     from kvengine.config import EngineConfig
     from kvtune.cluster.pool import connect
     from kvtune.search.objective import Objective
@@ -347,6 +348,7 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.serial  # a deadline in real time: under the other workers' load it starved past it
 def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tmp_path):
     mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
     script = tmp_path / "cancel.py"
@@ -359,7 +361,13 @@ def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tm
             time.sleep(0.2)
         assert len(_pids_with_env(mark)) >= 2, "two servers never started"
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)  # a 2-core host busy with a fresh cluster is slow to answer
+        try:
+            out, _ = proc.communicate(timeout=60)  # a 2-core host busy with a fresh cluster is slow to answer
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # every thread's stack, to say where it hangs
+            time.sleep(2)
+            proc.kill()
+            pytest.fail(f"no exit within 60 s of the Ctrl-C; its output:\n{proc.communicate()[0]}")
         assert proc.returncode != 0 and "KeyboardInterrupt" in out, out
         deadline = time.monotonic() + 5
         while _pids_with_env(mark) and time.monotonic() < deadline:
