@@ -16,8 +16,6 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..stopping import stop_signals_held
-
 WAIT_S = 0.5  # ray.wait's slice: a Ctrl-C is handled between slices
 CANCEL_WAIT_S = 10.0  # how long a cancelled task may take to end before kvtune goes on exiting
 CONNECT_TIMEOUT_S = 3.0
@@ -115,11 +113,7 @@ class RayPool:
 
         try:
             while refs:
-                # Held through each slice, handled after it: ray.wait runs Python's signal handlers from
-                # its C++ loop, and the KeyboardInterrupt one raised there was now and then lost (the
-                # driver went on waiting, its Ctrl-C ignored).
-                with stop_signals_held():
-                    ready, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
+                ready, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_S)
                 if between is not None:
                     between()
                 for ref in ready:
