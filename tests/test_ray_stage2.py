@@ -198,6 +198,9 @@ def _figures_verdict(db: str, study: str):
 SIGINT_SCRIPT = textwrap.dedent("""
     import faulthandler, signal, sys
     faulthandler.register(signal.SIGUSR1)  # the test asks where it is stuck when it does not end
+    # Ctrl-C as in a terminal: a suite started as a shell's background job (`make test &`) hands its
+    # children SIGINT ignored, and Python then keeps it ignored (the driver waited on for ever).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from kvengine.config import EngineConfig
     from kvtune.cluster.pool import connect
     from kvtune.search.objective import Objective
