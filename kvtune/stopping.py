@@ -10,6 +10,7 @@ child is in the caller's hands.
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import subprocess
 import threading
@@ -67,9 +68,29 @@ def interruption(err: BaseException | None) -> str | None:
 
 
 def failure_reason(err: BaseException) -> str:
-    """What a run or trial records when `err` ended it: 'interrupted by SIGTERM', or the error."""
+    """What a run or trial records when `err` ended it: 'interrupted by SIGTERM', or the error.
+    Its callers write it to the store next: a stop signal's unwinding is let go of first (`_let_go`)."""
     signal_name = interruption(err)
-    return f"interrupted by {signal_name}" if signal_name else f"{type(err).__name__}: {err}"
+    if signal_name is None:
+        return f"{type(err).__name__}: {err}"
+    _let_go(err)
+    return f"interrupted by {signal_name}"
+
+
+def _let_go(err: BaseException) -> None:
+    """Drop what the calls a stop signal cut short still hold. The exception's traceback keeps
+    every frame it unwound, and so what those calls had open: a SQLAlchemy connection inside a
+    write transaction keeps SQLite's write lock, and the write that records the stop (the trial
+    failed, the run marked) was refused as "database is locked", leaving the trial RUNNING. The
+    tracebacks go (a stop is reported in one line, without one) and a collection ends the rest."""
+    seen, todo = set(), [err]
+    while todo:
+        each = todo.pop()
+        if each is not None and id(each) not in seen:
+            seen.add(id(each))
+            each.__traceback__ = None
+            todo += [each.__cause__, each.__context__]
+    gc.collect()
 
 
 def signal_number(err: BaseException) -> int | None:

@@ -339,9 +339,10 @@ class Stage1:
             raise TrialFailed("surplus")
         try:
             record = self._measured = self._run_trial(trial)
-        except KeyboardInterrupt:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
+        except KeyboardInterrupt as err:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
+            reason = failure_reason(err)  # first, as it lets go of a write the Ctrl-C cut short
             trial.set_user_attr("interrupted", True)
-            trial.set_user_attr("fail_reason", "interrupted by SIGINT")
+            trial.set_user_attr("fail_reason", reason)
             raise
         self.on_trial(record)
         if record.state == "FAIL":
