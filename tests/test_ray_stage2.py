@@ -351,7 +351,6 @@ def _parent(pid: int) -> int | None:
         return None
 
 
-@pytest.mark.serial  # a deadline in real time: under the other workers' load it starved past it
 def test_ctrl_c_cancels_the_tasks_and_ends_every_server_they_started(cluster, tmp_path):
     mark = f"KVTUNE_RAY_MARK={uuid.uuid4().hex}"
     script = tmp_path / "cancel.py"
