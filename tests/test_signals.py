@@ -181,7 +181,7 @@ def test_a_search_stopped_in_a_live_run(tmp_path):
     assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
 
 
-# kvtune search that sends itself SIGTERM as trial 2's objective marks it started, from inside
+# kvtune search that sends itself signal `argv[3]` as trial 2's objective marks it started, from inside
 # SQLAlchemy's reading of the trial's row (a profile hook): the handler's exception unwinds out of a
 # transaction of Optuna's that holds SQLite's write lock (every one of its transactions does).
 IN_A_WRITE = textwrap.dedent("""
@@ -194,7 +194,7 @@ IN_A_WRITE = textwrap.dedent("""
             marks.append(1)
         elif len(marks) == 3 and event == "call" and frame.f_code.co_name == "_make_key_to_index":
             sys.setprofile(None)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), int(sys.argv[3]))
 
     sys.setprofile(hook)
     sys.exit(main(["search", "--workload", sys.argv[1], "--device", "l4-24gb", "--max-model-len", "4096",
@@ -203,15 +203,16 @@ IN_A_WRITE = textwrap.dedent("""
 """)
 
 
-def test_a_stop_inside_a_store_write_still_ends_the_trial(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_inside_a_store_write_still_ends_the_trial(tmp_path, sig):
     """The stop is recorded (trial 2 FAIL, interrupted) although it cut short a transaction that held
     the lock the record needs (the trial was left RUNNING, for no later search to count)."""
     trace, script, db = tmp_path / "t.jsonl", tmp_path / "stop.py", f"sqlite:///{tmp_path}/s.db"
     write_workload(Workload([TraceRequest(i / 40, 300 + (i * 37) % 200, 20) for i in range(60)]), str(trace))
     script.write_text(IN_A_WRITE)
-    p = subprocess.run([sys.executable, str(script), str(trace), db], cwd=tmp_path, capture_output=True,
+    p = subprocess.run([sys.executable, str(script), str(trace), db, str(int(sig))], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode == 128 + signal.SIGTERM, p.stderr  # the hook fired: else the search ends with 0
+    assert p.returncode == 128 + sig, p.stderr  # the hook fired: else the search ends with 0
     study = optuna.load_study(study_name="k", storage=db)
     assert [(t.number, t.state.name) for t in study.trials] == [(0, "COMPLETE"), (1, "COMPLETE"), (2, "FAIL")]
-    assert study.trials[2].user_attrs["fail_reason"] == "interrupted by SIGTERM"
+    assert study.trials[2].user_attrs["fail_reason"] == f"interrupted by {signal.Signals(sig).name}"

@@ -332,12 +332,12 @@ class Stage1:
         return "full" if number in keep else "summary"
 
     def _objective(self, trial: optuna.Trial):  # `trial` is `_trial` (_ask)
-        mark_started(trial)
-        if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number) >= self.n_trials:
-            trial.set_user_attr("surplus", True)  # another process took the last slot
-            self.study.stop()
-            raise TrialFailed("surplus")
         try:
+            mark_started(trial)
+            if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number) >= self.n_trials:
+                trial.set_user_attr("surplus", True)  # another process took the last slot
+                self.study.stop()
+                raise TrialFailed("surplus")
             record = self._measured = self._run_trial(trial)
         except KeyboardInterrupt as err:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
             reason = failure_reason(err)  # first, as it lets go of a write the Ctrl-C cut short
