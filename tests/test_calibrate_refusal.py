@@ -257,7 +257,9 @@ def test_a_stream_sent_in_one_burst_is_timed_as_one_chunk():
         async with httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False) as client:
             return await stream_request(client, "", [1000] * 8, max_tokens)
 
-    with StreamServer(ttft=lambda n: 0.005, gap=lambda i, active: 0.005 if i < 8 else 0.0) as server:
+    # 50 ms between the first tokens: under the suite's load a 5 ms gap was now and then read late,
+    # two tokens in one chunk (correctly timed as one)
+    with StreamServer(ttft=lambda n: 0.005, gap=lambda i, active: 0.05 if i < 8 else 0.0) as server:
         timing = asyncio.run(stream(server.url, 24))
     times = timing.token_times
     assert len(times) == 24 and len(set(times[7:])) == 1  # token 8 on: one burst, one chunk
