@@ -56,15 +56,21 @@ def interruption(err: BaseException | None) -> str | None:
 
     An error raised while the signal unwound counts too: a library's cleanup that failed on
     the way (Optuna's, cut short mid-`tell`, raises UnboundLocalError) hides the signal."""
+    for each in _unwound(err):
+        if isinstance(each, KeyboardInterrupt):
+            return "SIGINT"
+        if isinstance(each, Terminated) and each.args:
+            return signal.Signals(each.args[0]).name
+    return None
+
+
+def _unwound(err: BaseException | None):
+    """`err` and the exceptions it was raised while handling (`__context__`), each once."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, KeyboardInterrupt):
-            return "SIGINT"
-        if isinstance(err, Terminated) and err.args:
-            return signal.Signals(err.args[0]).name
+        yield err
         seen.add(id(err))
         err = err.__context__
-    return None
 
 
 def failure_reason(err: BaseException) -> str:
@@ -83,13 +89,8 @@ def _let_go(err: BaseException) -> None:
     write transaction keeps SQLite's write lock, and the write that records the stop (the trial
     failed, the run marked) was refused as "database is locked", leaving the trial RUNNING. The
     tracebacks go (a stop is reported in one line, without one) and a collection ends the rest."""
-    seen, todo = set(), [err]
-    while todo:
-        each = todo.pop()
-        if each is not None and id(each) not in seen:
-            seen.add(id(each))
-            each.__traceback__ = None
-            todo += [each.__cause__, each.__context__]
+    for each in _unwound(err):
+        each.__traceback__ = None
     gc.collect()
 
 

@@ -339,7 +339,7 @@ class Stage1:
                 self.study.stop()
                 raise TrialFailed("surplus")
             record = self._measured = self._run_trial(trial)
-        except KeyboardInterrupt as err:  # said while it runs: Optuna fails the trial on Ctrl-C, then it is finished
+        except KeyboardInterrupt as err:  # said here: Optuna fails the trial on Ctrl-C, then it is finished
             reason = failure_reason(err)  # first, as it lets go of a write the Ctrl-C cut short
             trial.set_user_attr("interrupted", True)
             trial.set_user_attr("fail_reason", reason)
