@@ -6,9 +6,11 @@ against the CPU vLLM venv's own command (it must refuse before that vLLM is ever
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,14 +73,19 @@ def test_a_server_log_dir_that_cannot_be_made_is_refused_before_anything_starts(
     assert not db.exists()  # refused before the store was opened, so before any server could start
 
 
-def _claim(args) -> list[str]:
-    folder, label = args
-    return [new_log(folder, f"{label}-{i}") for i in range(8)]
+# Each claimant is a process of its own, started fresh (a fork of this pytest-xdist worker could
+# inherit a lock one of its threads held at the fork and hang on it), and all claim from one moment on.
+CLAIM = ("import sys, time; from kvtune.targets.process import new_log; "
+         "time.sleep(max(0.0, float(sys.argv[3]) - time.time())); "
+         "print('\\n'.join(new_log(sys.argv[1], f'{sys.argv[2]}-{i}') for i in range(8)))")
 
 
 def test_processes_sharing_a_log_folder_never_share_a_log(tmp_path):
-    with multiprocessing.get_context("fork").Pool(4) as pool:
-        claimed = pool.map(_claim, [(str(tmp_path), f"p{k}") for k in range(4)])
+    at = str(time.time() + 2.0)
+    procs = [subprocess.Popen([sys.executable, "-c", CLAIM, str(tmp_path), f"p{k}", at], stdout=subprocess.PIPE,
+                              text=True) for k in range(4)]
+    claimed = [proc.communicate(timeout=60)[0].split() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 4
     every = [path for paths in claimed for path in paths]
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in every)
     assert sorted(int(os.path.basename(p)[7:11]) for p in every) == list(range(1, 33))  # one number each
