@@ -59,8 +59,8 @@ PREFIX_KEYS = ("requests", "queries", "hits", "preempted_requests", "preempted_q
                "preempted_hits")
 
 
-def fake_model_dir() -> str:
-    path = tempfile.mkdtemp(prefix="kvt_fake_model_")
+def write_fake_model(path: str) -> str:
+    """The fake model's config.json in the folder `path`; returns `path`."""
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(FAKE_MODEL_CONFIG, f)
     return path
@@ -188,18 +188,19 @@ def main(argv=None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     import vllm  # noqa: F401  (pay the import before the first trace)
-    model_dir = fake_model_dir()
     source = open(args.traces) if args.traces else sys.stdin
-    for line in source:
-        if not line.strip():
-            continue
-        trace = json.loads(line)
-        try:
-            res = run_trace(trace, model_dir, args.max_steps)
-        except Exception as err:  # one bad trace must not lose the batch
-            res = {"name": trace.get("name"), "error": f"{err!r}\n{traceback.format_exc()[-2000:]}"}
-        results.write(json.dumps(res, separators=(",", ":")) + "\n")
-        results.flush()
+    with tempfile.TemporaryDirectory(prefix="kvt_fake_model_") as folder:
+        model_dir = write_fake_model(folder)
+        for line in source:
+            if not line.strip():
+                continue
+            trace = json.loads(line)
+            try:
+                res = run_trace(trace, model_dir, args.max_steps)
+            except Exception as err:  # one bad trace must not lose the batch
+                res = {"name": trace.get("name"), "error": f"{err!r}\n{traceback.format_exc()[-2000:]}"}
+            results.write(json.dumps(res, separators=(",", ":")) + "\n")
+            results.flush()
     results.close()
     return 0
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import pytest
 from kvtune.diagnose import INSUFFICIENT_DATA, diagnose
 from kvtune.diagnose.startup import START, is_memory_error
 from kvtune.results import RunResult
-from kvtune.targets import TargetStartError
+from kvtune.targets import TargetRunError, TargetStartError
 from kvtune.targets.process import (
     START_TAIL_LINES,
     ManagedServer,
@@ -207,6 +208,22 @@ def test_a_real_kvengine_start_with_a_bad_flag_value():
     assert os.path.exists(err.log_path) and str(err).endswith(f"full log: {err.log_path}")
     [start] = diagnose(failed_run({"kv_cache_dtype": "int4"}, "kvengine"), error=str(err))
     assert start.id == START and "`--kv-cache-dtype int4 → fp8`" in start.fix
+
+
+def test_a_servers_own_log_folder_goes_with_a_clean_stop_and_stays_when_it_died():
+    server = kvengine("--executor", "sim")
+    server.start()
+    folder, first_log = server.log_dir, server.log_path
+    os.killpg(server.pid, signal.SIGKILL)
+    server.proc.wait(10)
+    with pytest.raises(TargetRunError) as info:
+        server.check_alive()
+    assert str(info.value).endswith(f"full log: {first_log}")
+    server.stop()
+    assert os.path.exists(first_log)  # the error names it: it stays
+    with server:  # started again, healthy, stopped by us: nothing names its log
+        assert os.path.exists(server.log_path)
+    assert not os.path.exists(folder)
 
 
 # -- diagnosis by the real cause ------------------------------------------------------------------------------

@@ -46,8 +46,8 @@ def add_server_flags(p, users_default: int = 256) -> None:
                    help="how long a started server may take to become healthy (default: %(default)s)")
     g.add_argument("--server-log-dir", metavar="DIR",
                    help="keep started servers' logs here, one file per start (server-NNNN-SERVER-CONFIG.log, "
-                        "in start order); made if missing (default: a new temporary folder per start, printed "
-                        "on a failed start)")
+                        "in start order); made if missing (default: a new temporary folder per start, named "
+                        "in the error of a failed start or a server that died, removed after a clean stop)")
     g = p.add_argument_group("live runs")
     g.add_argument("--users", type=positive_int, default=users_default,
                    help="most requests in flight (default: %(default)s)")

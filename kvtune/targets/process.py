@@ -2,8 +2,11 @@
 
 A failed start raises TargetStartError whose message leads with the line of the
 server's log that says why (startlog.root_cause), then the log's last lines,
-then `full log: PATH`; the log is never deleted. Each start writes a log of its
-own (`new_log`), so a folder that several starts share keeps every one.
+then `full log: PATH`; that log is never deleted. Each start writes a log of its
+own (`new_log`), so a folder that several starts share keeps every one. A server given no folder
+logs to a temporary one of its own, removed when the server had been healthy and kvtune stopped it:
+nothing will ever name that log, and a search starts dozens of servers. A failed start, or a server
+that died on its own, keeps its folder (the error names the log).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import shutil
 import subprocess
 import tempfile
 import time
@@ -73,9 +77,9 @@ def start_error(what: str, log_path: str) -> TargetStartError:
 
 class ManagedServer:
     """Runs `command` (which must bind 127.0.0.1:`port`) and waits for GET /health.
-    Each start logs to a new file in `log_dir` (default: a new temporary folder), named
-    with `log_label` (what was started: the server and its config); `log_path` is that file
-    once started."""
+    Each start logs to a new file in `log_dir` (default: a new temporary folder, removed on a clean
+    stop), named with `log_label` (what was started: the server and its config); `log_path` is that
+    file once started."""
 
     def __init__(self, command: list[str], port: int, start_timeout_s: float = 600.0,
                  env: dict | None = None, log_dir: str | None = None, log_label: str = ""):
@@ -84,6 +88,8 @@ class ManagedServer:
         self.url = f"http://127.0.0.1:{port}"
         self.start_timeout_s = start_timeout_s
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvtune-server-")
+        self._own_log_dir = log_dir is None
+        self._healthy = False  # answered /health since its last start
         self.log_label = log_label
         self.log_path: str | None = None
         self._env = dict(os.environ, **(env or {}))
@@ -102,6 +108,7 @@ class ManagedServer:
 
     def start(self) -> None:
         self.log_path = new_log(self.log_dir, self.log_label)
+        self._healthy = False
         log = open(self.log_path, "w")
         try:
             # Its own process group, so that we stop all it spawns, but our session: Linux's autogroup
@@ -130,6 +137,7 @@ class ManagedServer:
                                        "was healthy")
             try:
                 if http_get(self.url + "/health", timeout=2).status_code == 200:
+                    self._healthy = True
                     return
             except HTTP_ERRORS:
                 pass
@@ -159,7 +167,7 @@ class ManagedServer:
     def check_alive(self) -> None:
         if self.proc is not None and not self.alive:
             raise TargetRunError(f"the server died during the run (exit status {self.proc.returncode}); "
-                                 f"last log lines:\n{self.log_tail()}")
+                                 f"last log lines:\n{self.log_tail()}\nfull log: {self.log_path}")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL what is left."""
@@ -174,6 +182,8 @@ class ManagedServer:
         except BaseException:  # a signal while waiting: the server must not outlive kvtune
             self._kill_leftovers()
             raise
+        if self._own_log_dir and self._healthy:  # a clean stop: nothing will name this log
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def _term_then_kill(self, proc: subprocess.Popen, timeout_s: float) -> None:
         for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
