@@ -456,6 +456,23 @@ def test_a_smaller_change_tied_at_the_top_but_not_beyond_the_default_loses_to_on
     assert compare(verdict.tied[1], default, [SLO]).p >= ALPHA  # A alone is not shown to gain
 
 
+def test_the_verdict_keeps_each_configs_test_against_the_default_and_whether_it_counts():
+    """What `search --json` prints as `comparisons`: every live config's p-value against the default and
+    whether the verdict counted it as beating the default (Holm over the tied: A is not shown to gain);
+    one run of a config is no test."""
+    live = (runs(B, 10, [29.09, 29.71, 22.53]) + runs(A, 15, [22.07, 23.06, 16.74])
+            + runs(DEFAULT, -1, [7.82, 14.84, 16.96]))
+    verdict, _, default = choose([], live, [SLO], DEFAULT)
+    assert verdict.alpha == ALPHA and choose([], live, [SLO], DEFAULT, looks=2)[0].alpha == ALPHA / 2
+    assert [(c.label, c.beats) for c in verdict.comparisons] == [("trial 10", True), ("trial 15", False)]
+    for c, config in zip(verdict.comparisons, verdict.tied):
+        test = compare(config, default, [SLO])
+        assert (c.label, c.params, c.p, c.why) == (config.label, config.params, test.p, test.why)
+    assert verdict.comparisons[0].p < verdict.alpha / 2 <= verdict.alpha <= verdict.comparisons[1].p
+    once, _, _ = choose([], runs(A, 4, [30.0]) + runs(DEFAULT, -1, [7.82, 14.84, 16.96]), [SLO], DEFAULT)
+    assert [(c.label, c.p, c.beats, c.why) for c in once.comparisons] == [("trial 4", None, False, None)]
+
+
 def test_intervals_are_student_t_and_cover_the_mean_as_often_as_they_say():
     """The issue's point: a percentile bootstrap of 3 values covers the mean about 75 % of the time."""
     import numpy as np

@@ -62,6 +62,9 @@ def test_search_cli_end_to_end_and_resume_extends(tmp_path, capsys):
     assert out["study"] == "cli" and set(out["leader"]) == {"block_size", "gpu_memory_utilization",
                                                                  "max_num_seqs", "kv_cache_dtype"}
     assert "best_params" not in out  # one answer
+    # decided by the simulator, and labelled so: no live comparison, no test level
+    assert out["stage"] == "sim" and out["measured_on"] == ["the simulator (l4-24gb, virtual time)"]
+    assert out["comparisons"] == [] and out["alpha"] is None and out["reference"] == "the default"
     p = kvtune(*args, "--trials", "16")
     assert p.returncode == 0, p.stderr
     study = optuna.load_study(study_name="cli", storage=db)

@@ -184,6 +184,10 @@ def test_search_on_vllm_runs_its_real_default_live(checkpoint, shared_prefix_tra
     assert [o["is_default"] for o in out["live"]].count(True) == 1 and len(out["live"]) == 2, out
     assert all(o["completed"] == o["runs"] == 1 and not o["errors"] for o in out["live"]), out["live"]
     assert out["verdict"] != "better", out  # one run each: nothing is beyond a spread
+    assert out["stage"] == "live" and out["measured_on"] == ["vLLM 0.32.0"]
+    [versus] = out["comparisons"]  # the other config against the default: one run each is no test
+    other = next(o for o in out["live"] if not o["is_default"])
+    assert (versus["label"], versus["p"], versus["beats"]) == (other["label"], None, False)
     assert "measured on vLLM 0.32.0" in p.stdout
     assert "gpu_memory_utilization is not searched" in p.stdout
     assert out["leader"]["block_size"] in (32, 64, 128, 256)

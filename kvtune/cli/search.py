@@ -2,6 +2,7 @@
 kvtune/search/flow.py's, this module parses the flags and prints what the flow says."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -203,6 +204,9 @@ def _search(args, to_close: list) -> int:
                           "reasons": v.reasons, "recommended": rec.params if rec else None,
                           "recommended_label": rec.label if rec else None,
                           "leader": v.leader.params if v.leader else None, "report": report,
+                          "measured_on": data.measured_on(v.stage),
+                          "reference": v.reference, "alpha": v.alpha,
+                          "comparisons": [dataclasses.asdict(c) for c in v.comparisons],
                           "live": [_live_json(c) for c in data.candidates if c.runs],
                           "live_runs": sum(len(c.runs) for c in data.candidates)}))
     return 3 if live is not None and not v.measured else 0  # the live stage could not measure

@@ -22,7 +22,7 @@ FIGURES = ("goodput", "throughput", "TTFT p95", "TPOT p95", "meets SLOs")
 
 def stages_section(data: ReportData) -> list[Block]:
     if data.live:
-        where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
+        where = data.measured_on() or ["nothing completed"]
         intro = (f"Stage 1 replays the workload on the simulator; stage 2 runs the best configs and the target's "
                  f"default several times each, interleaved, on {', '.join(where)}. Live figures are the mean of "
                  "the runs with its Student-t 95 % interval in brackets and the number of runs; a config wins only "

@@ -61,7 +61,7 @@ def _scope(data: ReportData) -> str:
                "replicas); the simulator ran one replica at its share of the rate and the requests per second "
                "are all the replicas'. " if info.gpus else ""))
     if data.live:
-        where = sorted({m.measured_on or m.target or "unknown" for m in data.live if m.ok}) or ["nothing completed"]
+        where = data.measured_on() or ["nothing completed"]
         configs = len({tuple(sorted(m.params.items())) for m in data.live})
         text += (f"Stage 2 ran {configs} configs {len(data.live)} times in all, interleaved, on "
                  f"{', '.join(where)}.")

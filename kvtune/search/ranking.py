@@ -65,6 +65,18 @@ INFEASIBLE = "infeasible"  # nothing met the SLOs
 FAILED = "failed"  # nothing completed (on the stage that was to decide)
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """One live config against the reference, as the verdict judged it: `compare`'s p-value (None
+    without 2 completed runs of each, or no gain to test), whether the verdict counts it as beating
+    the reference (the Holm step over the configs tied at the top, at `Verdict.alpha`), and why."""
+    label: str
+    params: dict
+    p: float | None
+    beats: bool
+    why: str | None
+
+
 @dataclass
 class Verdict:
     stage: str | None  # the stage whose numbers decided: live, sim, or None when nothing completed
@@ -79,6 +91,9 @@ class Verdict:
     fragile: list[Candidate] = field(default_factory=list)  # higher means than the leader's, SLOs missed in some run
     default_params: dict | None = None  # what the recommendation's flags are changed from
     reference: str = "the default"  # what that config is called: the default, or the operator's baseline
+    beat: list[Candidate] = field(default_factory=list)  # the tied configs a test showed to beat the reference
+    comparisons: list[Comparison] = field(default_factory=list)  # live: each config against the reference
+    alpha: float | None = None  # live: the level each look tested at (ALPHA split over the looks)
 
     @property
     def measured(self) -> bool:
@@ -162,6 +177,7 @@ def _live_verdict(live, pair, default, slos, sim_done, alpha: float):
     verdict = _decide("live", [c for c in shown if c in done], default, slos,
                       lambda a, b: separated(a, b, slos, alpha), _holm_beating(slos, alpha))
     verdict.reasons += _robustness(verdict, default, slos)
+    verdict.alpha, verdict.comparisons = alpha, _comparisons(done, default, verdict.beat, slos)
     if verdict.kind == INFEASIBLE:
         verdict.feasible_elsewhere = [t.number for t in sim_done if t.feasible]
     doubts = _doubts(verdict, default)
@@ -192,6 +208,17 @@ def _sim_verdict(sim_done, pair, default, slos):
     shown = ordered[:TOP_SIM_CANDIDATES]
     rec = verdict.recommended  # the smallest change within the tie may rank below the top few: shown too
     return verdict, shown + [rec] if rec is not None and all(c is not rec for c in shown) else shown
+
+
+def _comparisons(done: list[Candidate], default: Candidate, beat: list[Candidate],
+                 slos: list[SLO]) -> list[Comparison]:
+    """Each completed config's test against the reference, best first."""
+    out = []
+    for c in (c for c in done if not c.is_default):
+        test = compare(c, default, slos)
+        out.append(Comparison(c.label, dict(c.params), test.p if test else None, any(b is c for b in beat),
+                              test.why if test else None))
+    return out
 
 
 def _holm_beating(slos: list[SLO], alpha: float):
@@ -253,7 +280,7 @@ def _decide(stage: str, ordered: list[Candidate], default: Candidate, slos: list
     # Of the tied, only one shown to beat the default is a change worth making: a smaller change
     # that ties with the leader but not beyond the default's spread is not shown to gain anything.
     why = beating(tied, default_in) if beating else {id(c): beats(c, default_in) for c in tied}
-    shown = [c for c in tied if why.get(id(c)) is not None]
+    shown = verdict.beat = [c for c in tied if why.get(id(c)) is not None]
     if shown:
         rec = verdict.recommended = _simplest(shown, default, slos)
         verdict.reasons = [f"{rec.label} beats {default.label}: {why[id(rec)]}"]

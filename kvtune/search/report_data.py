@@ -80,6 +80,12 @@ class ReportData:
     def headline(self) -> Candidate | None:
         return self.verdict.recommended or self.verdict.closest or self.verdict.leader
 
+    def measured_on(self, stage: str | None = "live") -> list[str]:
+        """What the completed measurements of `stage` (live: stage 2's runs; sim: stage 1's trials) were
+        measured on, in words ("vLLM 0.32.0", "the simulator (l4-24gb, virtual time)"); [] where none completed."""
+        done = self.live if stage == "live" else self.trials if stage == "sim" else []
+        return sorted({m.measured_on or m.target or "unknown" for m in done if m.ok})
+
 
 def load_report_data(db_url: str, name: str) -> ReportData:
     _require_database(db_url)
