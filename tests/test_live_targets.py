@@ -12,6 +12,7 @@ from kvtune.diagnose import Thresholds
 from kvtune.diagnose.facts import gather
 from kvtune.diagnose.render import pool_overview
 from kvtune.store import Store
+from kvtune.search.validity import measured_on
 from kvtune.targets import (EngineTarget, LiveOptions, SglangTarget, TargetRunError, TargetStartError,
                             UrlTarget, VllmTarget)
 from kvtune.workload import TraceRequest, Workload, synthesize, SynthSpec, parse_dist, write_workload
@@ -79,7 +80,11 @@ def url_server():
 
 def test_distributed_locust_loses_and_duplicates_nothing(url_server):
     workload = small_workload(n=50, rate=40.0)
-    result = UrlTarget(url_server().url, LiveOptions(users=16, workers=2, drain_timeout_s=60)).run(None, workload)
+    url = url_server().url
+    result = UrlTarget(url + "/", LiveOptions(users=16, workers=2, drain_timeout_s=60)).run(None, workload)
+    assert result.config["server_url"] == url  # which server it measured, kept with the run
+    version = result.config["server_version"]
+    assert measured_on(result.target, result.device, result.config) == f"the running server at {url} (version {version})"
     ids = [r.request_id for r in result.requests]
     assert ids == [str(i) for i in range(50)]
     assert result.summary["completed"] == 50

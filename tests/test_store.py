@@ -90,6 +90,10 @@ def test_run_round_trip_is_exact(store):
 def test_run_without_requests_or_series(store):
     empty = RunResult("url", "m", "d", {}, {}, [], {}, 0.0)
     assert as_json(store.load_run(store.save_run(empty))) == as_json(empty)
+    # a running server's run names it in every list of runs (read out of its config by the database)
+    of_url = RunResult("url", "m", "d", {"server_url": "http://10.0.0.5:8000"}, {}, [], {}, 0.0)
+    url_id = store.save_run(of_url)
+    assert {r.id: r.server_url for r in store.list_runs()} == {url_id: "http://10.0.0.5:8000", url_id - 1: None}
 
 
 def test_failed_run_keeps_its_reason(store):

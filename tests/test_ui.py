@@ -216,7 +216,8 @@ def test_runs_page_shows_each_run(seeded, monkeypatch):
     box = at.selectbox(key="run")
     labels = dict(zip(table["run"], box.options))
     # A URL's runs, which record no device: named for what ran them and its URL, never "on unknown".
-    assert labels[seeded.runs["live engine"]].startswith(f"#{seeded.runs['live engine']} live engine (running server,")
+    assert labels[seeded.runs["live engine"]].startswith(
+        f"#{seeded.runs['live engine']} live engine (running server at {seeded.server_url}, llama-3-8b, ")
     assert "http://127.0.0.1:" in labels[seeded.runs["url nobody serves"]]
     assert not [o for o in box.options if "unknown" in o]
     assert table.set_index("run").loc[seeded.runs["live engine"], "model on device"] == "llama-3-8b"

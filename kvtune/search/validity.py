@@ -28,6 +28,9 @@ def measured_on(target: str | None, device: str | None, config: dict) -> str:
         return f"vLLM {version or '(version unknown)'}"
     if target == "sglang":
         return f"SGLang {version or '(version unknown)'}"
+    if target == "url":
+        return " ".join(["the running server", *([f"at {config['server_url']}"] if config.get("server_url") else []),
+                         *([f"(version {version})"] if version else [])])
     return target or "unknown"
 
 

@@ -34,6 +34,7 @@ class RunSummaryRow:
     prefix_hit_rate: float | None
     kv_usage_peak: float | None
     preemptions: int | None
+    server_url: str | None = None  # a run of a running server (`--target URL`): which one
 
 
 class Sample(NamedTuple):
@@ -76,7 +77,8 @@ def as_utc(moment: datetime) -> datetime:
 
 def summary_select():
     return select(DbRun.id, DbRun.created_at, DbRun.target, DbRun.model, DbRun.device, DbRun.status,
-                  DbRun.error, DbRun.label, DbRun.study, DbRun.trial_number, DbRun.duration_s, DbRun.summary)
+                  DbRun.error, DbRun.label, DbRun.study, DbRun.trial_number, DbRun.duration_s, DbRun.summary,
+                  DbRun.config["server_url"].as_string().label("server_url"))
 
 
 def summary_row(row) -> RunSummaryRow:
@@ -84,5 +86,5 @@ def summary_row(row) -> RunSummaryRow:
     return RunSummaryRow(
         id=row.id, created_at=as_utc(row.created_at), target=row.target, model=row.model,
         device=row.device, status=row.status, error=row.error, label=row.label, study=row.study,
-        trial_number=row.trial_number, duration_s=row.duration_s,
+        trial_number=row.trial_number, duration_s=row.duration_s, server_url=row.server_url,
         **{name: summary.get(name) for name in SUMMARY_FIGURES})

@@ -299,4 +299,6 @@ class UrlTarget:
     name = "url"
 
     def run(self, config: EngineConfig | None, workload: Workload) -> RunResult:
-        return run_live(self.url.rstrip("/"), workload, self.name, None, config, self.options)
+        result = run_live(self.url.rstrip("/"), workload, self.name, None, config, self.options)
+        result.config["server_url"] = self.url.rstrip("/")  # which server it measured: its served name may not say
+        return result

@@ -70,22 +70,37 @@ def target_name(target: str) -> str:
     return SERVER_NAMES.get(target, target)
 
 
-def run_where(row: RunSummaryRow, with_target: bool = True) -> str:
-    """What ran the run, in the record's words: 'sim, llama-3-8b on h100-80gb', 'running server, llama-3-8b'
-    (a device nobody gave is left out). A run of a URL holds the URL as its model until the served model's
-    name replaces it: while it runs, and when it failed, it reads 'running server at http://…'."""
-    parts = [target_name(row.target)] if with_target else []
+def server_of(row: RunSummaryRow) -> str:
+    """What ran the run: 'running server at http://…' for a URL's (its URL is its model until the served
+    model's name replaces it, then kept in its config), the target's name otherwise."""
+    url = row.server_url or (row.model if row.model.startswith(("http://", "https://")) else None)
+    return f"{target_name(row.target)} at {url}" if row.target == "url" and url else target_name(row.target)
+
+
+def model_on(row: RunSummaryRow) -> str:
+    """'llama-3-8b on h100-80gb' ('llama-3-8b' where nobody gave the device); '' for a URL's run that
+    never named its model (running, or failed)."""
     if row.target == "url" and row.model.startswith(("http://", "https://")):
-        return " ".join([*parts, f"at {row.model}"])
+        return ""
     device = known(row.device)
-    return ", ".join([*parts, f"{row.model} on {device}" if device else row.model])
+    return f"{row.model} on {device}" if device else row.model
+
+
+def run_where(row: RunSummaryRow, with_target: bool = True) -> str:
+    """What ran the run, in the record's words: 'sim, llama-3-8b on h100-80gb', 'running server at
+    http://…, llama-3-8b'; without the target, the model on its device ('at http://…' where a URL's run
+    named no model)."""
+    if not with_target:
+        return model_on(row) or f"at {row.model}"
+    return ", ".join(p for p in [server_of(row), model_on(row)] if p)
 
 
 def run_label(row: RunSummaryRow) -> str:
     when = row.created_at.strftime("%Y-%m-%d %H:%M")
     status = "" if row.status == "ok" else f" [{row.status}]"
-    where = run_where(row, with_target=bool(row.label or row.study))  # else its name is the target's
-    return f"#{row.id} {run_name(row)} ({where}, {when}){status}"
+    named = bool(row.label or row.study)  # else the server is its name
+    head, where = (run_name(row), run_where(row)) if named else (server_of(row), model_on(row))
+    return f"#{row.id} {head} ({', '.join(p for p in (where, when) if p)}){status}"
 
 
 def diagnosis_cards(diagnoses: list[Diagnosis], key: str, headings: bool = False) -> None:
