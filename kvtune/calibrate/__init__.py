@@ -9,7 +9,7 @@
 from ..lazy import exports_of, lazy_face
 
 EXPORTS = exports_of({
-    ".session": ("CalibrationRequest", "calibrate_quantized", "calibrate_target", "calibrate_url",
+    ".session": ("CalibrationRequest", "calibrate_target", "calibrate_url",
                  "format_profile"),
     ".fit": ("FitResult", "Observation", "fit_coefficients", "fit_dequant", "step_shapes"),
     ".errors": ("CalibrationError",),

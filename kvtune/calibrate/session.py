@@ -118,24 +118,6 @@ def _default_base(executor: str | None, device: str) -> CostCoefficients:
     return CostCoefficients(**(torch_attention_kernel(device) if executor == "torch" else {}))
 
 
-def calibrate_quantized(server_target, config: EngineConfig, profile: CalibrationProfile, kv_cache_dtype: str,
-                        cost_profile: str | None = None, quick: bool = False, max_batch: int = 64,
-                        max_prompt: int | None = None, options: ProbeOptions | None = None,
-                        progress=None) -> CalibrationProfile:
-    """`profile` with kv_cache_dtype's dequantization cost (fit.DEQUANT's two terms), fitted to the
-    decode and long-context probes of the target's server started again with that KV cache dtype;
-    the rest of the profile's coefficients hold. A quantized cache changes what a step reads, not
-    how the server schedules, so these probes time the terms the main fit could not see.
-    (calibrate_target with `quantized_kv` also lets these probes choose the main fit's splits.)"""
-    model, device_spec = profile.specs()
-    request = CalibrationRequest(profile.url, profile.model, profile.device, config, profile.name,
-                                 target=profile.target, executor=profile.executor, quick=quick, max_batch=max_batch,
-                                 max_prompt=max_prompt, options=options)
-    quantized = _probe_quantized(server_target, request, model, device_spec, kv_cache_dtype, profile.coefficients,
-                                 cost_profile, progress)
-    return add_dequant(profile, quantized.probes, quantized.drift)
-
-
 def _probe_quantized(server_target, request: CalibrationRequest, model: ModelSpec, device_spec: DeviceSpec,
                      kv_cache_dtype: str, kernel: CostCoefficients, cost_profile: str | None = None,
                      progress=None) -> _QuantizedPass:
