@@ -21,6 +21,7 @@ from kvtune.search.ranking import (
     BETTER,
     FAILED,
     INCONCLUSIVE,
+    INFEASIBLE,
     KEEP_DEFAULT,
     SMALLEST_CHANGE,
     ALPHA,
@@ -516,6 +517,18 @@ def test_the_headline_names_the_flags_to_set_and_the_reasons_the_test():
     assert "`--block-size 32 --max-num-seqs 64 --kv-cache-dtype fp8`" in describe(verdict)
     p = float(re.search(r"p = ([\d.e-]+);", verdict.reasons[0]).group(1))
     assert p < ALPHA and int(re.search(r"Holm over (\d+) comparison", verdict.reasons[0]).group(1)) == 1
+
+
+def test_the_closest_and_the_doubted_leader_are_named_by_their_flags_too():
+    missed = runs(B, 7, [8.0, 8.3, 8.1], ttft=0.9) + runs(DEFAULT, -1, [5.0, 5.4, 4.9], ttft=2.0)
+    verdict, _, _ = choose([], missed, [SLO], DEFAULT)
+    assert verdict.kind == INFEASIBLE and verdict.closest.params == B
+    assert "the closest is `--block-size 32 --max-num-seqs 64 --kv-cache-dtype fp8` (trial 7)." in describe(verdict)
+    doubted = runs(A, 3, [8.0, 8.3, 8.1], doubts=["the host was saturated"]) + runs(DEFAULT, -1, [5.0, 5.4, 4.9])
+    verdict, _, _ = choose([], doubted, [SLO], DEFAULT)
+    assert verdict.kind == INCONCLUSIVE and "inconclusive (`--block-size 32` (trial 3) measured best)" in describe(verdict)
+    only_default = runs(DEFAULT, -1, [5.0, 5.4, 4.9], ttft=2.0)
+    assert "the closest is the default." in describe(choose([], only_default, [SLO], DEFAULT)[0])
 
 
 def test_a_config_meeting_the_slos_in_some_runs_is_named_fragile():

@@ -30,12 +30,19 @@ def headline(verdict: Verdict) -> str:
     if verdict.kind == KEEP_DEFAULT:
         return f"Verdict ({place}): no significant difference: keep {verdict.reference}."
     if verdict.kind == INCONCLUSIVE:
-        lead = f" ({verdict.leader.label} measured best)" if verdict.leader else ""
+        lead = f" ({in_flags(verdict.leader, verdict)} measured best)" if verdict.leader else ""
         return f"Verdict ({place}): inconclusive{lead}: keep what you run."
     if verdict.kind == INFEASIBLE:
-        closest = verdict.closest.label if verdict.closest else "none"
+        closest = in_flags(verdict.closest, verdict) if verdict.closest else "none"
         return f"Verdict ({place}): no config met every SLO; the closest is {closest}."
     return f"Verdict: nothing could be measured ({place})."
+
+
+def in_flags(config, verdict: Verdict) -> str:
+    """A config as the flags that turn the reference into it, with its label: "`--kv-cache-dtype fp8`
+    (trial 50)"; the reference by its name."""
+    flags = changed_flags(config.params, verdict.default_params) if not config.is_default else ""
+    return f"`{flags}` ({config.label})" if flags else config.label
 
 
 def describe(verdict: Verdict) -> str:
