@@ -136,6 +136,20 @@ def test_writes_markdown_with_its_figures_and_a_self_contained_html(two_stage):
         assert heading in text and heading in page
 
 
+def test_stage_2_tabulates_each_configs_test_against_the_default_as_the_verdict_judged_it(two_stage):
+    db, _, md, _ = two_stage
+    verdict = load_report_data(db, "two").verdict
+    assert verdict.comparisons and verdict.alpha is not None
+    table = section(md.read_text(), "2. Stage 1")
+    header = "| config | flags changed | p (one-sided) | beats the default | the test |"
+    assert header in table
+    rows = [line.split(" | ") for line in table[table.index(header):].splitlines()[2:] if line.startswith("| trial")]
+    assert [r[0].strip("| ") for r in rows] == [c.label for c in verdict.comparisons]
+    for row, c in zip(rows, verdict.comparisons):
+        assert row[2] == (f"{c.p:.2g}" if c.p is not None else "no test (fewer than 2 completed runs, or no gain)")
+        assert row[3] == ("yes" if c.beats else "no")
+
+
 def test_recommends_the_best_live_config_and_its_commands_reproduce_it(two_stage):
     db, _, md, _ = two_stage
     text = md.read_text()
@@ -173,7 +187,7 @@ def test_recommends_the_best_live_config_and_its_commands_reproduce_it(two_stage
 def test_stage_comparison_and_default_are_shown(two_stage):
     db, _, md, _ = two_stage
     text = md.read_text()
-    stages = section(text, "## 2. Stage 1")
+    stages = section(text, "## 2. Stage 1").split("Each live config against")[0]  # the table of both stages
     live = Store(db).list_trials("two", stage="live")
     assert stages.count("\n| trial ") + stages.count("\n| the default ") == len(live)
     # the summary's table of the recommended config against the default, with both one's live figures

@@ -10,7 +10,7 @@ from .capacity import Capacity
 from ..search.report_data import ReportData, RunView
 from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
 from .importance import Importance
-from ..search.advice import describe
+from ..search.advice import changed_flags, describe
 from ..search.measurement import Candidate, Measurement
 from .words import metric_label, row_kind, status, value_label, value_text
 
@@ -41,7 +41,24 @@ def stages_section(data: ReportData) -> list[Block]:
     numeric = [False] + [True] * (len(header) - 1 - len(stages) - bool(data.live)) + [False] * (len(stages) + bool(data.live))
     kinds = [row_kind(c.measured) for c in data.candidates]
     return [Heading("2. Stage 1 (simulator) vs stage 2 (live runs)"), Paragraph(intro),
-            Table(header, rows, row_kinds=kinds, numeric=numeric)] + slots_blocks(data.live)
+            Table(header, rows, row_kinds=kinds, numeric=numeric)] + comparisons_blocks(data) + slots_blocks(data.live)
+
+
+def comparisons_blocks(data: ReportData) -> list[Block]:
+    """Each live config's test against the reference, as the verdict judged it (`Verdict.comparisons`)."""
+    v = data.verdict
+    if not v.comparisons:
+        return []
+    ref = v.reference
+    text = (f"Each live config against {ref}: the one-sided Welch t-test's p-value (the smallest over the objective "
+            f"and each SLO it meets in every run while {ref} misses it on average, Bonferroni-combined), and whether "
+            f"the verdict counts it as beating {ref}: Holm over the configs tied at the top, at α = {v.alpha:.2g} "
+            "for each of stage 2's looks.")
+    rows = [[c.label, f"`{changed_flags(c.params, v.default_params)}`" if c.params != v.default_params else "none",
+             f"{c.p:.2g}" if c.p is not None else
+             "no test (fewer than 2 completed runs, or no gain)", "yes" if c.beats else "no", c.why or ""]
+            for c in v.comparisons]
+    return [Paragraph(text), Table(["config", "flags changed", "p (one-sided)", f"beats {ref}", "the test"], rows)]
 
 
 def slots_blocks(live: list[Measurement]) -> list[Block]:
