@@ -52,8 +52,8 @@ def comparisons_blocks(data: ReportData) -> list[Block]:
     ref = v.reference
     text = (f"Each live config against {ref}: the one-sided Welch t-test's p-value (the smallest over the objective "
             f"and each SLO it meets in every run while {ref} misses it on average, Bonferroni-combined), and whether "
-            f"the verdict counts it as beating {ref}: Holm over the configs tied at the top, at α = {v.alpha:.2g} "
-            "for each of stage 2's looks.")
+            f"the test counts it as beating {ref}: Holm over the configs tied at the top, at α = {v.alpha:.2g} "
+            "for each of stage 2's looks. An inconclusive verdict trusts none of these runs.")
     rows = [[c.label, f"`{changed_flags(c.params, v.default_params)}`" if c.params != v.default_params else "none",
              f"{c.p:.2g}" if c.p is not None else
              "no test (fewer than 2 completed runs, or no gain)", "yes" if c.beats else "no", c.why or ""]

@@ -68,8 +68,9 @@ FAILED = "failed"  # nothing completed (on the stage that was to decide)
 @dataclass(frozen=True)
 class Comparison:
     """One live config against the reference, as the verdict judged it: `compare`'s p-value (None
-    without 2 completed runs of each, or no gain to test), whether the verdict counts it as beating
-    the reference (the Holm step over the configs tied at the top, at `Verdict.alpha`), and why."""
+    without 2 completed runs of each, or no gain to test), whether the test counts it as beating the
+    reference (the Holm step over the configs tied at the top, at `Verdict.alpha`; an inconclusive
+    verdict's doubts then trust none), and why."""
     label: str
     params: dict
     p: float | None

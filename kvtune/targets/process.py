@@ -13,9 +13,9 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import tempfile
 import time

@@ -299,6 +299,7 @@ class UrlTarget:
     name = "url"
 
     def run(self, config: EngineConfig | None, workload: Workload) -> RunResult:
-        result = run_live(self.url.rstrip("/"), workload, self.name, None, config, self.options)
-        result.config["server_url"] = self.url.rstrip("/")  # which server it measured: its served name may not say
+        url = self.url.rstrip("/")
+        result = run_live(url, workload, self.name, None, config, self.options)
+        result.config["server_url"] = url  # which server it measured: its served model's name may not say
         return result

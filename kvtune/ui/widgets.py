@@ -70,17 +70,23 @@ def target_name(target: str) -> str:
     return SERVER_NAMES.get(target, target)
 
 
+def _url_as_model(row: RunSummaryRow) -> str | None:
+    """The URL a URL's run holds as its model until the served model's name replaces it (while it runs,
+    and when it failed); None once named."""
+    return row.model if row.target == "url" and row.model.startswith(("http://", "https://")) else None
+
+
 def server_of(row: RunSummaryRow) -> str:
-    """What ran the run: 'running server at http://…' for a URL's (its URL is its model until the served
-    model's name replaces it, then kept in its config), the target's name otherwise."""
-    url = row.server_url or (row.model if row.model.startswith(("http://", "https://")) else None)
-    return f"{target_name(row.target)} at {url}" if row.target == "url" and url else target_name(row.target)
+    """What ran the run: 'running server at http://…' for a URL's (the URL kept in its config, else the
+    one it holds as its model), the target's name otherwise."""
+    url = (row.server_url or _url_as_model(row)) if row.target == "url" else None
+    return f"{target_name(row.target)} at {url}" if url else target_name(row.target)
 
 
 def model_on(row: RunSummaryRow) -> str:
     """'llama-3-8b on h100-80gb' ('llama-3-8b' where nobody gave the device); '' for a URL's run that
     never named its model (running, or failed)."""
-    if row.target == "url" and row.model.startswith(("http://", "https://")):
+    if _url_as_model(row):
         return ""
     device = known(row.device)
     return f"{row.model} on {device}" if device else row.model
