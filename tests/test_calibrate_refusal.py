@@ -268,3 +268,26 @@ def test_a_stream_sent_in_one_burst_is_timed_as_one_chunk():
     with StreamServer(ttft=lambda n: 0.03, gap=lambda i, active: 0.0) as server:
         timing = asyncio.run(stream(server.url, 24))
     assert len(set(timing.token_times)) == 1 and np.isnan(steady_itl([timing.token_times] * 2))
+
+
+def test_a_burst_is_one_chunk_however_slowly_the_client_reads_its_lines(monkeypatch):
+    """A loaded host may preempt the client between two lines of one network read: the burst's
+    lines keep the read's time, not the time each was parsed."""
+    import asyncio
+
+    from kvtune.calibrate import stream as stream_module
+    from kvtune.loadgen import sse_payload
+
+    def preempted(line):  # the client descheduled a few ms at every line, as on a busy host
+        time.sleep(0.003)
+        return sse_payload(line)
+
+    monkeypatch.setattr(stream_module, "sse_payload", preempted)
+
+    async def stream(url):
+        async with httpx.AsyncClient(base_url=url, timeout=30.0, trust_env=False) as client:
+            return await stream_module.stream_request(client, "", [1000] * 8, 16)
+
+    with StreamServer(ttft=lambda n: 0.005, gap=lambda i, active: 0.05 if i < 4 else 0.0) as server:
+        times = asyncio.run(stream(server.url)).token_times
+    assert len(set(times[:4])) == 4 and len(set(times[3:])) == 1  # token 4 on: one write, one chunk

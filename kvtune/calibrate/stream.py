@@ -7,15 +7,18 @@ under load.
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 import httpx
 
 from ..loadgen import sse_payload
 from .timings import RequestTiming
 
-# Stream lines read within this of the chunk before are one delivery, timed as that chunk: a
-# server that falls behind (vLLM's frontend on a busy CPU) writes what it held in one burst,
-# whose lines the client reads 20-100 us apart; no engine step is that short.
+# A stream's lines are timed by the network read they arrived in: one read is one delivery,
+# whatever the client does between its lines (on a loaded host it may be preempted while it
+# parses them). Reads within BURST_S of the one before are one delivery too: a server that
+# falls behind (vLLM's frontend on a busy CPU) writes what it held as several HTTP chunks at
+# once, which the client may read apart; no engine step is that short.
 BURST_S = 0.5e-3
 
 
@@ -31,32 +34,19 @@ async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: lis
     timing = timing or RequestTiming(0.0)
     timing.sent = time.perf_counter()
     done = False
-    read = -1.0  # when the last line came in
     async with client.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")[:300]
             raise BadAnswer(f"HTTP {resp.status_code}: {text}")
-        async for line in resp.aiter_lines():
-            now = time.perf_counter()
-            payload = sse_payload(line)
-            if payload is None:
-                continue
-            if payload == "DONE":
-                done = True
-                break
-            if "error" in payload:
-                raise BadAnswer(f"error chunk: {payload['error'].get('message', payload['error'])}")
-            if not payload.get("choices"):
-                continue  # the final usage-only chunk
-            usage = payload.get("usage")
-            ids = payload["choices"][0].get("token_ids")
-            # A chunk may carry several tokens (merged under load): the usage's running count
-            # says how many, else its token ids; a text-only chunk counts one.
-            count = usage["completion_tokens"] if usage else len(timing.token_times) + (len(ids) if ids else 1)
-            read, last_read = now, read
-            if timing.token_times and read - last_read < BURST_S:
-                now = timing.token_times[-1]  # the same burst as the line before: one chunk (see timings.chunk_gaps)
-            timing.token_times.extend([now] * (count - len(timing.token_times)))
+        async with aclosing(_lines_by_read(resp)) as lines:
+            async for read_at, line in lines:
+                payload = sse_payload(line)
+                if payload is None:
+                    continue
+                if payload == "DONE":
+                    done = True
+                    break
+                _note_tokens(timing, payload, read_at)
     if not done:
         raise BadAnswer("the stream ended without [DONE]; the server may have died")
     if len(timing.token_times) < max_tokens:
@@ -64,3 +54,32 @@ async def stream_request(client: httpx.AsyncClient, model_name: str, prompt: lis
                         "server that merges tokens into one chunk must report its usage in each chunk, "
                         "stream_options.continuous_usage_stats)")
     return timing
+
+
+async def _lines_by_read(resp: httpx.Response):
+    """(when it was read, the line) for each complete line of the stream. A read's lines share its
+    time, and a read within BURST_S of the one before takes that one's time."""
+    pending, read_at, last = b"", -1.0, -1.0
+    async for data in resp.aiter_bytes():
+        now = time.perf_counter()
+        read_at = read_at if now - last < BURST_S else now
+        last = now
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield read_at, line.rstrip(b"\r").decode()
+    if pending:
+        yield read_at, pending.rstrip(b"\r").decode()
+
+
+def _note_tokens(timing: RequestTiming, payload: dict, read_at: float) -> None:
+    """One chunk's tokens into `timing.token_times`, each at `read_at`."""
+    if "error" in payload:
+        raise BadAnswer(f"error chunk: {payload['error'].get('message', payload['error'])}")
+    if not payload.get("choices"):
+        return  # the final usage-only chunk
+    usage = payload.get("usage")
+    ids = payload["choices"][0].get("token_ids")
+    # A chunk may carry several tokens (merged under load): the usage's running count says how
+    # many, else its token ids; a text-only chunk counts one.
+    count = usage["completion_tokens"] if usage else len(timing.token_times) + (len(ids) if ids else 1)
+    timing.token_times.extend([read_at] * (count - len(timing.token_times)))

@@ -113,7 +113,8 @@ def chunk_gaps(times) -> list[float]:
     A server may merge several tokens into one streamed chunk, or write several chunks in
     one burst (vLLM does both under load, when its frontend falls behind the engine): they
     arrive with one receipt time (repeated in `RequestTiming.token_times`, one per token, by
-    the usage's token count; a burst's lines by stream.BURST_S). Their steps took the time since
+    the usage's token count; the lines of one network read, or of reads within stream.BURST_S,
+    by stream_request). Their steps took the time since
     the chunk before, so each of its k tokens gets a k-th of that gap; the first chunk's
     tokens, whose steps began before the window, none. Without merging, np.diff(times).
     The gaps add up to the span: their mean is span / tokens after the first chunk."""
