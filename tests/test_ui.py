@@ -33,6 +33,8 @@ from kvtune.search import (
     parse_slo,
     ranked_trials,
 )
+from kvtune.report.sections import comparison_rows
+from kvtune.search.report_data import load_report_data
 from kvtune.search.stage2 import LiveConfig, default_params, run_stage2
 from kvtune.store import Store
 from kvtune.targets import LiveOptions, SimTarget, UrlTarget
@@ -329,6 +331,12 @@ def test_search_page_compares_stage1_with_stage2(seeded, monkeypatch):
     assert len(stages) == 2 * 3 and len(live) == 3 and live["goodput (req/s)"].notna().all()
     assert set(live["meets SLOs"]) <= {"yes", "no"} and set(live["runs (ok/all)"]) == {"3/3"}
     assert live["goodput, 95 % interval (req/s)"].notna().all()
+    # each live config's test against the default: the report's section-2 rows (one p for one comparison)
+    header, rows = comparison_rows(load_report_data(seeded.db, "staged").verdict)
+    tests = frame_with(at, *header[:-1])
+    assert len(rows) == 2 and tests.values.tolist() == [row[:-1] for row in rows]
+    assert all(f"{row[0]}: {row[-1]}" in text(at) for row in rows if row[-1])  # the test's words, under it
+    assert header[3] == "beats the default" and "none" not in set(tests["flags changed"])  # the reference: no row
     assert "Stage 2 did not run" not in text(at)
     assert "Parameter importance needs at least 10 completed trials" in text(at)  # 6 trials: a note, no chart
     assert charts_shown(at) == 2

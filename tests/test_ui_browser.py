@@ -314,6 +314,8 @@ def test_search_pages_read_like_the_report_in_chromium(ui, ui_database, browser,
     figures = table_with(tables, "config", "stage", "goodput (req/s)", "TTFT p95 (ms)", "TPOT p95 (ms)",
                          "meets SLOs", "goodput, 95 % interval (req/s)", "runs (ok/all)")
     assert {row[1] for row in figures["rows"]} == {"sim", "live"}
+    tests = table_with(tables, "config", "flags changed", "p (one-sided)", "beats the default")  # in view, whole
+    assert tests["rows"] and {row[3] for row in tests["rows"]} <= {"yes", "no"}
 
 
 def test_runs_and_diagnoses_read_like_the_report_in_chromium(ui, ui_database, browser, tmp_path):

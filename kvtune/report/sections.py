@@ -12,6 +12,7 @@ from .document import Block, Bullets, Code, Heading, Image, Paragraph, Table
 from .importance import Importance
 from ..search.advice import changed_flags, describe
 from ..search.measurement import Candidate, Measurement
+from ..search.ranking import Verdict
 from .words import metric_label, row_kind, status, value_label, value_text
 
 QUANTIZED = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -49,16 +50,28 @@ def comparisons_blocks(data: ReportData) -> list[Block]:
     v = data.verdict
     if not v.comparisons:
         return []
+    header, rows = comparison_rows(v)
+    rows = [[label, flags if flags == "none" else f"`{flags}`", *rest] for label, flags, *rest in rows]
+    return [Paragraph(comparisons_text(v)), Table(header, rows)]
+
+
+def comparisons_text(v: Verdict) -> str:
+    """What the comparisons table shows, and the test behind it (the report's and the dashboard's words)."""
     ref = v.reference
-    text = (f"Each live config against {ref}: the one-sided Welch t-test's p-value (the smallest over the objective "
+    return (f"Each live config against {ref}: the one-sided Welch t-test's p-value (the smallest over the objective "
             f"and each SLO it meets in every run while {ref} misses it on average, Bonferroni-combined), and whether "
             f"the test counts it as beating {ref}: Holm over the configs tied at the top, at α = {v.alpha:.2g} "
             "for each of stage 2's looks. An inconclusive verdict trusts none of these runs.")
-    rows = [[c.label, f"`{changed_flags(c.params, v.default_params)}`" if c.params != v.default_params else "none",
+
+
+def comparison_rows(v: Verdict) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of `Verdict.comparisons`: config, the flags it changes (plain), p, whether it beats the
+    reference, the test's words."""
+    rows = [[c.label, changed_flags(c.params, v.default_params) if c.params != v.default_params else "none",
              f"{c.p:.2g}" if c.p is not None else
              "no test (fewer than 2 completed runs, or no gain)", "yes" if c.beats else "no", c.why or ""]
             for c in v.comparisons]
-    return [Paragraph(text), Table(["config", "flags changed", "p (one-sided)", f"beats {ref}", "the test"], rows)]
+    return ["config", "flags changed", "p (one-sided)", f"beats {v.reference}", "the test"], rows
 
 
 def slots_blocks(live: list[Measurement]) -> list[Block]:

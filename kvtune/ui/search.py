@@ -9,7 +9,7 @@ from kvtune.report import fmt
 from kvtune.search.report_data import ReportData, ReportError
 from kvtune.report.launch import launch_commands, model_export
 from kvtune.results import engine_config
-from kvtune.report.sections import trial_note
+from kvtune.report.sections import comparison_rows, comparisons_text, trial_note
 from kvtune.search.advice import describe
 from kvtune.search.measurement import Candidate, Measurement
 from kvtune.search.ranking import BETTER, KEEP_DEFAULT, SMALLEST_CHANGE
@@ -254,6 +254,20 @@ def show_study(view: data.StudyView) -> None:
     st.caption("Their figures on each stage" + (": on stage 2 the mean of its runs" if report.live else "") + ".")
     tables.table(stages_frame(report), key="stages_table")
     notes(stage_failures(report), "stage_failures")
+    comparisons(report)
+
+
+def comparisons(report: ReportData) -> None:
+    """Each live config's test against the reference, as the report's section 2 tabulates it."""
+    v = report.verdict
+    if not v.comparisons:
+        return
+    st.subheader(f"Each config against {v.reference}")
+    st.caption(comparisons_text(v))
+    header, rows = comparison_rows(v)
+    # The test's words run long: under the table, in full, as the failed trials' reasons are.
+    tables.table(pd.DataFrame([row[:-1] for row in rows], columns=header[:-1]), key="comparisons_table")
+    notes([f"{row[0]}: {row[-1]}" for row in rows if row[-1]], "comparison_tests")
 
 
 def notes(lines: list[str], key: str) -> None:
