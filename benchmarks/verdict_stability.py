@@ -5,7 +5,10 @@ Runs `make demo`'s search (its trace, SLOs, space, budget; stage 1 on the calibr
 demo stores, calibrated here first when missing; stage 2 live on kvengine's torch executor on this
 CPU) N times, each a fresh study, and prints each verdict: its kind and the flags it recommends
 (the changes from the default). The share of reruns that give the most common advice is the
-stability. Goal >= 90 %. The reruns are real live searches, about 4 minutes each on 2 cores.
+stability. Goal >= 90 %. Where a verdict lists several equivalent configs (`equivalent` in
+`search --json`: each shown to beat the default and tied with the recommended one), a rerun also
+agrees with advice it lists as equivalent: `share_consistent` is the largest share of reruns that
+one piece of advice holds in, recommended or listed. The reruns are real live searches, about 4 minutes each on 2 cores.
 With --fresh-calibration each rerun first calibrates its own profile, as a fresh clone's
 `make demo` does (about a minute more each): the advice must then hold across calibrations too,
 not only across live runs on one fitted simulator.
@@ -72,6 +75,22 @@ def advice(out: dict, default: dict | None) -> str:
     return out["verdict"]
 
 
+def equivalent_advice(out: dict, default: dict | None) -> list[str]:
+    """The advice a verdict stands behind: each equivalent config's flags, or its kind alone."""
+    from kvtune.search.advice import changed_flags
+
+    if out["verdict"] in ("better", "smallest_change") and out.get("equivalent"):
+        return sorted({f"set {changed_flags(p, default)}" for p in out["equivalent"]})
+    return [advice(out, default)]
+
+
+def consistency(rows: list[dict]) -> tuple[str, float]:
+    """The advice that holds in the most reruns (recommended, or listed as equivalent) and that share."""
+    held = collections.Counter(a for r in rows for a in set(r.get("equivalent_advice") or [r["advice"]]))
+    best, count = max(held.items(), key=lambda kv: (kv[1], kv[0]))
+    return best, count / len(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5)
@@ -100,14 +119,20 @@ def main() -> int:
         out = json.loads(p.stdout.strip().splitlines()[-1])
         default = next((c["params"] for c in out["live"] if c["is_default"]), None)
         rows.append({"study": study, "stage1": " ".join(stage1), "advice": advice(out, default),
+                     "equivalent_advice": equivalent_advice(out, default),
                      "verdict": out["verdict"], "reasons": out["reasons"], "wall_s": round(time.monotonic() - t0)})
-        print(f"run {i + 1}: {rows[-1]['advice']}  ({rows[-1]['wall_s']} s)")
+        also = [a for a in rows[-1]["equivalent_advice"] if a != rows[-1]["advice"]]
+        print(f"run {i + 1}: {rows[-1]['advice']}" + (f" (equivalent: {'; '.join(also)})" if also else "")
+              + f"  ({rows[-1]['wall_s']} s)")
     counts = collections.Counter(r["advice"] for r in rows)
     mode, same = counts.most_common(1)[0]
     share = same / len(rows)
+    held, share_held = consistency(rows)
     print(f"\n{same} of {len(rows)} reruns gave the most common advice ({mode}): {share:.0%} (goal >= 90 %)")
+    print(f"{share_held:.0%} of reruns stand behind \"{held}\", recommended or listed as equivalent")
     if args.json:
         print(json.dumps({"share_same": share, "runs": len(rows), "advice": dict(counts), "mode": mode,
+                          "share_consistent": share_held, "consistent_advice": held,
                           "fresh_calibration": args.fresh_calibration,
                           "rows": rows}))
     return 0

@@ -65,6 +65,8 @@ def test_search_cli_end_to_end_and_resume_extends(tmp_path, capsys):
     # decided by the simulator, and labelled so: no live comparison, no test level
     assert out["stage"] == "sim" and out["measured_on"] == ["the simulator (l4-24gb, virtual time)"]
     assert out["comparisons"] == [] and out["alpha"] is None and out["reference"] == "the default"
+    # the equivalent advice: the recommended config among them when it is `better`, none otherwise
+    assert (out["recommended"] in out["equivalent"]) if out["verdict"] == "better" else out["equivalent"] == []
     p = kvtune(*args, "--trials", "16")
     assert p.returncode == 0, p.stderr
     study = optuna.load_study(study_name="cli", storage=db)

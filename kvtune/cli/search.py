@@ -203,6 +203,7 @@ def _search(args, to_close: list) -> int:
         print(json.dumps({"study": name, "feasible": bool(outcome.feasible), "verdict": v.kind, "stage": v.stage,
                           "reasons": v.reasons, "recommended": rec.params if rec else None,
                           "recommended_label": rec.label if rec else None,
+                          "equivalent": [c.params for c in v.beat],
                           "leader": v.leader.params if v.leader else None, "report": report,
                           "measured_on": data.measured_on(v.stage),
                           "reference": v.reference, "alpha": v.alpha,
