@@ -8,7 +8,7 @@ CPU) N times, each a fresh study, and prints each verdict: its kind and the flag
 stability. Goal >= 90 %. Where a verdict lists several equivalent configs (`equivalent` in
 `search --json`: each shown to beat the default and tied with the recommended one), a rerun also
 agrees with advice it lists as equivalent: `share_consistent` is the largest share of reruns that
-one piece of advice holds in, recommended or listed. The reruns are real live searches, about 4 minutes each on 2 cores.
+one piece of advice holds in, recommended or listed. The reruns are real live searches.
 With --fresh-calibration each rerun first calibrates its own profile, as a fresh clone's
 `make demo` does (about a minute more each): the advice must then hold across calibrations too,
 not only across live runs on one fitted simulator.
@@ -79,7 +79,7 @@ def equivalent_advice(out: dict, default: dict | None) -> list[str]:
     """The advice a verdict stands behind: each equivalent config's flags, or its kind alone."""
     from kvtune.search.advice import changed_flags
 
-    if out["verdict"] in ("better", "smallest_change") and out.get("equivalent"):
+    if out.get("equivalent"):  # only a `better` verdict lists any
         return sorted({f"set {changed_flags(p, default)}" for p in out["equivalent"]})
     return [advice(out, default)]
 
