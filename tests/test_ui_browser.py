@@ -147,7 +147,7 @@ def wait_for_page(driver, title: str) -> None:
 
     deadline, since = time.monotonic() + PAGE_TIMEOUT_S, None
     while time.monotonic() < deadline:
-        titles = [h.text.strip() for h in driver.find_elements(By.CSS_SELECTOR, "h1")]
+        titles = texts(driver, "h1")
         running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
         if title in titles and not running and not charts_loading(driver):
             since = since or time.monotonic()
@@ -157,6 +157,13 @@ def wait_for_page(driver, title: str) -> None:
             since = None
         time.sleep(0.25)
     raise AssertionError(f"page {title!r} did not render within {PAGE_TIMEOUT_S} s; h1: {titles}")
+
+
+def texts(driver, css: str) -> list[str]:
+    """The text of every element `css` selects, read in one script: a rerun that replaces them between a
+    find and a read (a stale element) cannot come between."""
+    return driver.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.innerText.trim())",
+                                 css)
 
 
 def wait_idle(driver, timeout_s: float = 5) -> None:
@@ -273,7 +280,7 @@ def test_page_renders_in_chromium(page, ui, browser, tmp_path):
     errors = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"], '
                                                     '[data-testid="stAlertContentError"]')
     assert not errors, [e.text for e in errors]
-    assert [h.text.strip() for h in browser.find_elements(By.CSS_SELECTOR, "h1")] == [PAGES[page]]
+    assert texts(browser, "h1") == [PAGES[page]]
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "Traceback" not in body
     if page in ("runs.py", "search.py", "planner.py"):
@@ -364,7 +371,7 @@ def test_live_page_updates_in_chromium(ui, browser, tmp_path):
         # Stop first: every rerun redraws the chart, and a screenshot mid-redraw shows it blank.
         for attempt in range(6):  # a click that lands while a rerun replaces the page is lost: click again
             wait_idle(browser)  # between the fragment's timed reruns
-            if any(b.text.strip() == "Stop" for b in browser.find_elements(By.CSS_SELECTOR, "button")):
+            if "Stop" in texts(browser, "button"):
                 click(browser, "Stop")
             try:
                 wait_for_text(browser, r"Stopped watching \S+/metrics: \d+ scrapes", timeout_s=4)
