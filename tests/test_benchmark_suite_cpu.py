@@ -2,14 +2,13 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from benchscript import load_benchmark
+from benchscript import BENCHMARKS, load_benchmark
 
 suite_cpu = load_benchmark("suite_cpu")
 Process, classify = suite_cpu.Process, suite_cpu.classify
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "suite_cpu.py"
+BENCH = BENCHMARKS / "suite_cpu.py"
 
 # A test whose child Python spends about one CPU-second (its arguments name kvengine: not what it
 # runs), and a test that fails.
