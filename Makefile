@@ -77,9 +77,14 @@ docs: $(STAMP)
 # write none (PYTHONDONTWRITEBYTECODE).
 # Three workers on a 2-core host: the suite waits on servers, browsers and Prometheus' scrapes, and a
 # third worker keeps the cores busy meanwhile (tests/conftest.py orders the files).
+# Only the plugins the suite uses: a plugin found through its package's entry point has that whole
+# package's modules assertion-rewritten in every worker (Hypothesis: over a hundred), and anyio's
+# and platformdirs' plugins, which no test uses, import trio and more at each worker's start.
+# benchmarks/suite_cpu.py runs the same line (MAKE_TEST_ENV, MAKE_TEST_ARGS).
+PYTEST_PLUGINS := -p xdist.plugin -p _hypothesis_pytestplugin
 test: $(STAMP) $(VLLM_STAMP) promtool postgres chromium docs
 	$(VPY) -m compileall -q -j 0 kvtune engine/kvengine tests benchmarks >/dev/null
-	$(VPY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 $(VPY) -m pytest $(PYTEST_PLUGINS) -n 3 --dist loadfile --no-loadscope-reorder
 
 DEMO_TRACE   := kvtune/data/demo_pressure.jsonl
 DEMO_STUDY   := demo-$(shell date +%Y%m%d-%H%M%S)

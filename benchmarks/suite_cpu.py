@@ -29,7 +29,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 SAMPLE_S = 0.25
-MAKE_TEST_ARGS = ["-n", "3", "--dist", "loadfile", "--no-loadscope-reorder"]
+# `make test`'s pytest line (the Makefile's test target), the default run.
+MAKE_TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+MAKE_TEST_ARGS = ["-p", "xdist.plugin", "-p", "_hypothesis_pytestplugin", "-n", "3", "--dist", "loadfile",
+                  "--no-loadscope-reorder"]
 TICKS = os.sysconf("SC_CLK_TCK")
 # A child whose own command line says only how it was started takes its parent's component.
 CHILD_WORDS = ("multiprocessing.spawn", "multiprocessing.resource_tracker", "VLLM::")
@@ -194,9 +197,10 @@ def main(argv=None) -> int:
         print("error: suite_cpu.py reads /proc: Linux only", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "pytest", *(args.pytest_args or MAKE_TEST_ARGS)]
+    env = os.environ if args.pytest_args else {**os.environ, **MAKE_TEST_ENV}
     host0, t0 = _host_cpu_s(), time.monotonic()
     with Sampler() as sampler:
-        rc = subprocess.call(command)
+        rc = subprocess.call(command, env=env)
     wall_s, host_s = time.monotonic() - t0, _host_cpu_s() - host0
     processes = list(sampler.seen.values())
     classify(processes)

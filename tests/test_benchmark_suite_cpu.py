@@ -51,3 +51,12 @@ def test_a_runs_children_are_found_and_a_failing_run_passes_pytests_exit_status_
     assert "kvengine serve" not in out["by_component"] and out["by_component"]["pytest"]["cpu_s"] > 0
     assert abs(out["sampled_cpu_s"] - sum(c["cpu_s"] for c in out["by_component"].values())) < 0.5
     assert out["host_cpu_s"] >= 0.8 and 0 < out["busy"] <= 1.0
+
+
+def test_the_default_run_is_make_tests_pytest_line():
+    makefile = (BENCHMARKS.parent / "Makefile").read_text()
+    plugins = makefile.split("PYTEST_PLUGINS := ", 1)[1].split("\n", 1)[0].split()
+    [line] = [ln.strip() for ln in makefile.splitlines() if " -m pytest $(PYTEST_PLUGINS) " in ln]
+    env, _, args = line.partition(" $(VPY) -m pytest $(PYTEST_PLUGINS) ")
+    assert dict([env.split("=")]) == suite_cpu.MAKE_TEST_ENV
+    assert plugins + args.split() == suite_cpu.MAKE_TEST_ARGS
