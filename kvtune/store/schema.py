@@ -167,6 +167,10 @@ def configure_sqlite(engine: Engine, every_transaction_writes: bool = False) -> 
         dbapi_conn.isolation_level = None  # SQLAlchemy emits BEGIN itself (below)
         cursor = dbapi_conn.cursor()
         _set_wal(cursor)  # readers never block the writer, nor it them
+        # In WAL mode NORMAL syncs at checkpoints, not at each commit (Optuna commits each trial attribute
+        # on its own): a crash of the process loses nothing, a power cut at most the last commits, and
+        # the database stays consistent either way (SQLite's "WAL mode" documentation).
+        cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
