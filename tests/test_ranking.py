@@ -37,6 +37,7 @@ from kvtune.search.stage2 import (
     live_candidates,
     run_stage2,
 )
+from kvtune.search.study import stage1_attrs, trial_score
 from kvtune.store import Store
 from kvtune.targets import SimTarget
 from kvtune.workload import TraceRequest, Workload, write_workload
@@ -273,8 +274,7 @@ def test_stage2_runs_one_of_the_configs_the_simulator_ran_identically(tmp_path):
     trials = []
     for number, params in enumerate(configs):
         values, sc, _ = objective.evaluate(sim.run, space.config(params, EngineConfig()), light)
-        attrs = {"run_id": number, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
-                 **{f"observed_{k}": v for k, v in sc.observed.items()}}
+        attrs = stage1_attrs(number, sc)
         dists = {k: optuna.distributions.CategoricalDistribution(sorted({c[k] for c in configs})) for k in params}
         trial = optuna.trial.create_trial(params=params, distributions=dists, values=values, user_attrs=attrs)
         trial.number = number
@@ -548,3 +548,17 @@ def test_a_configs_figure_is_one_number_wherever_it_is_shown():
     assert a.figure("ttft_p95", "live") == pytest.approx(0.3) == a.spread["ttft_p95"].mean
     assert a.figure("goodput_rps", "live") == pytest.approx(4.1)
     assert a.figure("ttft_p95", "sim") is None  # never simulated here
+
+
+def test_a_stage1_trials_score_reads_the_same_from_a_study_written_before_it_was_one_attribute():
+    sim = SimTarget(model_preset("llama-3-8b"), device_preset("l4-24gb"))
+    objective = Objective("goodput", (SLO,))
+    light = Workload([TraceRequest(i / 4.0, 200, 20) for i in range(12)])
+    values, sc, _ = objective.evaluate(sim.run, EngineConfig(), light)
+    new = optuna.trial.create_trial(values=values, user_attrs=stage1_attrs(7, sc))
+    flat = {"run_id": 7, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
+            **{f"observed_{k}": v for k, v in sc.observed.items()}}  # each figure an attribute of its own
+    old = optuna.trial.create_trial(values=values, user_attrs=flat)
+    assert trial_score(old) == trial_score(new) and trial_score(new)["observed"][SLO.name] > 0
+    assert trial_score(new)["goodput_rps"] == sc.goodput_rps
+    assert trial_score(optuna.trial.create_trial(values=values)) == {}  # nothing measured

@@ -222,10 +222,10 @@ def test_no_feasible_config_says_so_first_with_the_closest_and_why(hopeless):
     data = load_report_data(db, "hopeless")
     assert data.verdict.kind == INFEASIBLE and data.verdict.stage == "sim" and data.verdict.recommended is None
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    closest = min(done, key=lambda t: (t.user_attrs["observed_ttft_p95"], t.number))
+    closest = min(done, key=lambda t: (t.user_attrs["score"]["observed"]["ttft_p95"], t.number))
     assert data.verdict.closest.label == f"trial {closest.number}" and f"**trial {closest.number}**" in top
     assert [m.slo for m in data.verdict.misses] == ["ttft_p95"]
-    observed_ms = closest.user_attrs["observed_ttft_p95"] * 1000
+    observed_ms = closest.user_attrs["score"]["observed"]["ttft_p95"] * 1000
     shown = f"{observed_ms:,.0f} ms" if observed_ms >= 100 else f"{observed_ms:.1f} ms"
     assert f"TTFT p95 {shown} vs the 1.0 ms limit" in top
     # light traffic: no critical or warning fault explains a 1 ms TTFT, and the top names none

@@ -194,7 +194,7 @@ def _search(args, to_close: list) -> int:
     report = None
     if not args.no_report:
         from ..report import write_report
-        md, html = write_report(db_url, name, args.report_dir or f"reports/{name}")
+        md, html = write_report(db_url, name, args.report_dir or f"reports/{name}", data)
         report = str(md)
         print(f"report: {md} and {html}")
     v = data.verdict

@@ -30,11 +30,12 @@ from .words import value_label
 LIVE_MODEL_TARGETS = ("vllm", "sglang")  # their runs record the real model served
 
 
-def write_report(db_url: str, study: str, out_dir: str) -> tuple[Path, Path]:
+def write_report(db_url: str, study: str, out_dir: str, data: ReportData | None = None) -> tuple[Path, Path]:
     """Write report.md, its PNGs and a self-contained report.html into out_dir; return both paths.
+    `data`: the study's, loaded already (the search that just ended has it), else loaded here.
 
     Raises ReportError for a missing database or an unknown or empty study."""
-    data = load_report_data(db_url, study)
+    data = load_report_data(db_url, study) if data is None else data
     title, blocks = f"kvtune tuning report: {study}", compose(data, db_url)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from .stage2 import (
     representable,
     run_stage2,
 )
-from .study import Stage1, is_feasible, open_storage, open_study, ranked_trials
+from .study import Stage1, is_feasible, open_storage, open_study, ranked_trials, trial_score
 
 
 class SearchError(Exception):
@@ -228,10 +228,10 @@ def _stage2(req, sim, live, ranked, dflt, space, base, store, say, on_live, stud
 def _stored_verdict(req: SearchRequest, sim: SimTarget, store: Store, stage1: Stage1, say):
     """The report's data (its verdict is the one ranking's), once the stage-1 runs it shows are stored
     in full and diagnosed."""
-    data = load_report_data(req.db_url, req.study)
+    data = load_report_data(req.db_url, req.study, stage1.study, store)
     shown = [v.run_id for v in (data.best_run, data.default_run) if v is not None]
     if stage1.keep_full(shown):  # a stage-1 run the report shows was stored in summary: back in full
-        data = load_report_data(req.db_url, req.study)
+        data = load_report_data(req.db_url, req.study, stage1.study, store)
     _diagnose_shown(store, data, Simulator.of(sim, req.workload, req.profile), req.objective.slos, say)
     return data
 
@@ -261,7 +261,7 @@ def knob_text(knob) -> str:
 def nothing_feasible(closest, slos) -> str:
     misses = []
     for slo in slos:
-        observed = closest.user_attrs.get(f"observed_{slo.name}")
+        observed = trial_score(closest).get("observed", {}).get(slo.name)
         if observed is not None and observed > slo.threshold_s:
             misses.append(f"{slo.name} {observed * 1000:.0f} ms vs {slo.threshold_s * 1000:g} ms")
     params = ", ".join(f"{k} {v}" for k, v in closest.params.items())

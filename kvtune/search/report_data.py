@@ -14,7 +14,7 @@ from ..report.fmt import on_gpus
 from ..results import RunResult
 from .slo import SLO, SLOError, study_slos_from_attrs
 from .live_runs import live_runs
-from .study import open_storage
+from .study import open_storage, trial_score
 from .validity import measured_on
 from ..store import SUMMARY_FIGURES, RunNotFoundError, Store, missing_database
 from .measurement import Candidate, Measurement
@@ -87,10 +87,15 @@ class ReportData:
         return sorted({m.measured_on or m.target or "unknown" for m in done if m.ok})
 
 
-def load_report_data(db_url: str, name: str) -> ReportData:
-    _require_database(db_url)
-    study = _load_study(db_url, name)
-    store = Store(db_url)
+def load_report_data(db_url: str, name: str, study: optuna.Study | None = None,
+                     store: Store | None = None) -> ReportData:
+    """The report's data of study `name` in `db_url`. `study` and `store`: the search's own, open
+    already (opening Optuna's storage again checks its schema); the caller closes its store."""
+    if study is None:
+        _require_database(db_url)
+        study = _load_study(db_url, name)
+    own_store = store is None
+    store = Store(db_url) if own_store else store
     try:
         load = functools.cache(lambda run_id: _load(store, run_id))  # a live run is scored, then plotted
         runs = {r.id: r for r in store.list_runs(limit=1_000_000, study=name)}
@@ -105,7 +110,8 @@ def load_report_data(db_url: str, name: str) -> ReportData:
         data.default_run = _run_view(load, default, default.label)
         return data
     finally:
-        store.close()
+        if own_store:
+            store.close()
 
 
 def _require_database(db_url: str) -> None:
@@ -151,9 +157,9 @@ def study_info(study: optuna.Study, runs: dict) -> StudyInfo:
 
 
 def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Measurement:
-    attrs = trial.user_attrs
+    attrs, score = trial.user_attrs, trial_score(trial)
     run = runs.get(attrs.get("run_id"))
-    observed = {slo.name: attrs.get(f"observed_{slo.name}") for slo in info.slos}
+    observed = {slo.name: score.get("observed", {}).get(slo.name) for slo in info.slos}
     for slo in info.slos:  # a duplicate carries its twin's constraints but not its observations
         violation = (trial.constraints or {}).get(slo.name)
         if observed[slo.name] is None and violation is not None and violation < 1e8:
@@ -163,7 +169,7 @@ def _stage1(trial: optuna.trial.FrozenTrial, info: StudyInfo, runs: dict) -> Mea
         values=list(trial.values) if trial.values is not None else None,
         constraints=dict(trial.constraints or {}), run_id=attrs.get("run_id"), reason=attrs.get("fail_reason"),
         duplicate_of=attrs.get("duplicate_of"), surplus=bool(attrs.get("surplus")),
-        goodput_rps=attrs.get("goodput_rps"), throughput_rps=attrs.get("throughput_rps"), observed=observed,
+        goodput_rps=score.get("goodput_rps"), throughput_rps=score.get("throughput_rps"), observed=observed,
         summary={k: getattr(run, k) for k in SUMMARY_FIGURES} if run is not None else {},
         target=run.target if run is not None else None, measured_on=measured_on("sim", info.device, {}))
 

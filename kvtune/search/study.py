@@ -181,6 +181,27 @@ def fail_trials_without_heartbeat(study: optuna.Study, storage) -> list[int]:
 
 
 SIMPLIFIES = "simplifies"  # a trial's user attr: the number of the leader it tries with fewer changed knobs
+# A stage-1 trial's user attr: the simulator's score of its run (slo.Score's figures, `observed` {SLO: s}),
+# one attribute because Optuna commits each attribute on its own.
+SCORE = "score"
+_SCORE_FIGURES = ("goodput_rps", "throughput_rps", "output_tok_s", "completed", "requests", "good", "feasible")
+
+
+def stage1_attrs(run_id: int, score) -> dict:
+    """The user attrs of a measured stage-1 trial: its run's id and its slo.Score (SCORE)."""
+    return {"run_id": run_id, SCORE: {**{k: v for k, v in score.as_dict().items() if k in _SCORE_FIGURES},
+                                      "observed": dict(score.observed)}}
+
+
+def trial_score(trial) -> dict:
+    """The score a stage-1 trial stored (SCORE); {} where it has none. A study written before SCORE
+    kept each figure as an attribute of its own, and `observed_<SLO>`: read the same way."""
+    attrs = trial.user_attrs
+    if SCORE in attrs:
+        return attrs[SCORE]
+    observed = {k.removeprefix("observed_"): v for k, v in attrs.items() if k.startswith("observed_")}
+    figures = {k: attrs[k] for k in _SCORE_FIGURES if k in attrs}
+    return figures | {"observed": observed} if figures or observed else {}
 
 
 def counts(trial) -> bool:
@@ -195,9 +216,11 @@ def counts(trial) -> bool:
     return trial.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
 
 
-def count_taken(study: optuna.Study) -> int:
-    """Trials that count towards the requested number (`counts`)."""
-    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED + (TrialState.RUNNING,)) if counts(t))
+def count_taken(study: optuna.Study, trials: list | None = None) -> int:
+    """Trials that count towards the requested number (`counts`), of `trials` where given (the
+    study's, read once) or read now."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
+    return sum(1 for t in trials if t.state in FINISHED + (TrialState.RUNNING,) and counts(t))
 
 
 class Stage1:
@@ -235,17 +258,15 @@ class Stage1:
             self.slim_dropped_runs()
             return
 
-        def stop_when_full(study, _trial):
-            if count_taken(study) >= self.n_trials:
+        def after_trial(study, _trial):  # the study's trials read once for both
+            trials = study.get_trials(deepcopy=False)
+            self.slim_dropped_runs(trials)
+            if not one_more and count_taken(study, trials) >= self.n_trials:
                 study.stop()
 
-        def slim(_study, _trial):
-            self.slim_dropped_runs()
-
         try:
-            self.study.optimize(self._objective, n_trials=1 if one_more else None,
-                                callbacks=[slim] if one_more else [slim, stop_when_full], catch=(TrialFailed,),
-                                gc_after_trial=False)
+            self.study.optimize(self._objective, n_trials=1 if one_more else None, callbacks=[after_trial],
+                                catch=(TrialFailed,), gc_after_trial=False)
         except BaseException as err:
             if interruption(err):
                 self._fail_interrupted(err)
@@ -268,10 +289,12 @@ class Stage1:
         self.optimize(one_more=True)
         return measured()
 
-    def slim_dropped_runs(self) -> list[int]:
+    def slim_dropped_runs(self, trials: list | None = None) -> list[int]:
         """Store in summary the stage-1 runs kept in full that are no longer among those kept
-        (a better trial came); returns their ids. Another process's trial counts once finished."""
-        points = [_point(t) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+        (a better trial came); returns their ids. Another process's trial counts once finished.
+        `trials`: the study's, where the caller has just read them."""
+        trials = self.study.get_trials(deepcopy=False) if trials is None else trials
+        points = [_point(t) for t in trials if t.state == TrialState.COMPLETE]
         keep = full_detail_numbers(points, self._default_params())
         kept_runs = {p.run_id for p in points if p.number in keep}
         dropped = {p.run_id for p in points if p.run_id is not None and p.run_id not in kept_runs}
@@ -334,11 +357,12 @@ class Stage1:
     def _objective(self, trial: optuna.Trial):  # `trial` is `_trial` (_ask)
         try:
             mark_started(trial)
-            if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number) >= self.n_trials:
+            others = [t for t in self.study.get_trials(deepcopy=False) if t.number != trial.number]
+            if trial.user_attrs.get(SIMPLIFIES) is None and self._counted_before(trial.number, others) >= self.n_trials:
                 trial.set_user_attr("surplus", True)  # another process took the last slot
                 self.study.stop()
                 raise TrialFailed("surplus")
-            record = self._measured = self._run_trial(trial)
+            record = self._measured = self._run_trial(trial, [t for t in others if t.state == TrialState.COMPLETE])
         except KeyboardInterrupt as err:  # said here: Optuna fails the trial on Ctrl-C, then it is finished
             reason = failure_reason(err)  # first, as it lets go of a write the Ctrl-C cut short
             trial.set_user_attr("interrupted", True)
@@ -349,8 +373,9 @@ class Stage1:
             raise TrialFailed(record.reason)
         return record.values
 
-    def _counted_before(self, number: int) -> int:
-        return sum(1 for t in self.study.get_trials(deepcopy=False) if t.number < number and counts(t))
+    @staticmethod
+    def _counted_before(number: int, trials: list) -> int:
+        return sum(1 for t in trials if t.number < number and counts(t))
 
     def _fail_interrupted(self, err: BaseException) -> None:
         """End the trial this process ran when `err` stopped it. Measured already (the signal came
@@ -384,10 +409,10 @@ class Stage1:
         if run_id is not None and "duplicate_of" not in trial.user_attrs:
             self.store.delete_run(run_id)
 
-    def _run_trial(self, trial: optuna.Trial) -> Measurement:
+    def _run_trial(self, trial: optuna.Trial, done: list) -> Measurement:
+        """Measure `trial` on the simulator; `done`: the study's other completed trials, read as it
+        began (a twin of its params is not measured again; its run is kept in full if it ranks)."""
         params = self.space.suggest(trial)
-        done = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                if t.number != trial.number]
         twin = next((t for t in done if t.params == params), None)
         if twin is not None:  # same point again: reuse its measurement, do not pay for it twice
             for name, value in (twin.constraints or {}).items():
@@ -414,9 +439,7 @@ class Stage1:
             trial.set_constraint(name, value)
         run_id = self.store.save_run(result, study=self.study.study_name, trial=trial.number,
                                      detail=self._detail(done, trial.number, params, values, sc))
-        attrs = {"run_id": run_id, **{k: v for k, v in sc.as_dict().items() if isinstance(v, (int, float))},
-                 **{f"observed_{k}": v for k, v in sc.observed.items()}}
-        for key, value in attrs.items():
+        for key, value in stage1_attrs(run_id, sc).items():
             trial.set_user_attr(key, value)
         return Measurement("sim", trial.number, params, "COMPLETE", values, dict(sc.violations), run_id=run_id)
 
