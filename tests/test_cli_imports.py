@@ -10,7 +10,7 @@ import pytest
 from kvtune.cli.commands import COMMANDS
 
 HEAVY = ("torch", "numpy", "sqlalchemy", "optuna", "scipy", "matplotlib", "streamlit", "pandas",
-         "httpx", "requests", "locust", "fastapi", "kvtune.store", "kvtune.targets.servers")
+         "httpx", "requests", "locust", "starlette", "kvtune.store", "kvtune.targets.servers")
 DEV_ONLY = ("pytest", "hypothesis", "transformers", "openai", "ruff", "selenium")
 
 

@@ -122,6 +122,18 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, param):
     assert ok.status_code == 200
 
 
+def test_an_unknown_route_or_method_is_answered_as_vllms_fastapi_app_answers_it(server):
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert (missing.status_code, missing.json()) == (404, {"detail": "Not Found"})
+    for method, path, allowed in (("GET", "/v1/completions", "POST"), ("POST", "/health", "GET"),
+                                  ("HEAD", "/health", "GET")):  # FastAPI's routes take no HEAD
+        wrong = httpx.request(method, server.url + path)
+        assert (wrong.status_code, wrong.headers["allow"]) == (405, allowed)
+        if method != "HEAD":
+            assert wrong.json() == {"detail": "Method Not Allowed"}
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_unknown_model_is_404_and_an_over_long_max_tokens_is_clamped(server):
     for path, body in (("/v1/completions", {"model": "gpt-7", "prompt": "x"}),
                        ("/v1/chat/completions", {"model": "gpt-7", "messages": [{"role": "user", "content": "x"}]})):

@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass, field
 
 import h11
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvengine import __version__
@@ -299,55 +300,38 @@ def _error(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvengine", version=__version__)
-    app.state.server = state
-    app.add_middleware(Guard, state=state)
-
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError):
-        return _error(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, err: RequestValidationError):
-        return _error(APIError(400, str(err)))
-
-    @app.get("/health")
-    async def health():
+def create_app(state: ServerState) -> Starlette:
+    """The ASGI app: Starlette, on which vLLM's FastAPI app stands, without FastAPI's import (a
+    kvengine start is mostly imports): the handlers parse their bodies themselves (protocol.py), and
+    the app answers an unknown route or method as FastAPI does."""
+    async def health(_: Request):
         return Response(status_code=200 if state.engine.alive else 503)
 
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
+    async def version(_: Request):
+        return JSONResponse({"version": __version__})
 
-    @app.get("/load")
-    async def load():
-        return {"server_load": state.engine.num_unfinished}
+    async def load(_: Request):
+        return JSONResponse({"server_load": state.engine.num_unfinished})
 
-    @app.get("/metrics")
-    async def metrics():
+    async def metrics(_: Request):
         return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models():
+    async def models(_: Request):
         config = state.engine.info.config
-        return {"object": "list", "data": [{
+        return JSONResponse({"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": now_s(), "owned_by": "vllm",
             "root": state.model_root, "parent": None, "max_model_len": config.max_model_len,
             "permission": [{"id": new_id("modelperm"), "object": "model_permission", "created": now_s(),
                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                            "organization": "*", "group": None, "is_blocking": False}]}]}
+                            "organization": "*", "group": None, "is_blocking": False}]}]})
 
-    if state.dev_mode:  # vLLM registers its cache resets only in dev mode
-        @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache():
-            ok = await asyncio.wrap_future(state.engine.reset_prefix_cache())
-            if not ok:
-                raise APIError(409, "The prefix cache can only be reset while no request holds KV blocks.")
-            return Response(status_code=200)
+    async def reset_prefix_cache(_: Request):
+        ok = await asyncio.wrap_future(state.engine.reset_prefix_cache())
+        if not ok:
+            raise APIError(409, "The prefix cache can only be reset while no request holds KV blocks.")
+        return Response(status_code=200)
 
-    @app.post("/v1/completions")
     async def completions(request: Request):
         gen = _begin(request, state, parse_completion(await _json(request, state.limits)))
         if gen.req.stream:
@@ -358,7 +342,6 @@ def create_app(state: ServerState) -> FastAPI:
                          "stop_reason": c.stop_reason} for c in gen.choices],
             "usage": usage(gen.prompt_tokens, gen.completion_tokens)})
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req, _ = parse_chat(await _json(request, state.limits), state.render_chat)
         gen = _begin(request, state, req)
@@ -371,7 +354,32 @@ def create_app(state: ServerState) -> FastAPI:
                         for c in gen.choices],
             "usage": usage(gen.prompt_tokens, gen.completion_tokens)})
 
+    routes = [_route("/health", health, "GET"), _route("/version", version, "GET"), _route("/load", load, "GET"),
+              _route("/metrics", metrics, "GET"), _route("/v1/models", models, "GET"),
+              _route("/v1/completions", completions, "POST"), _route("/v1/chat/completions", chat, "POST")]
+    if state.dev_mode:  # vLLM registers its cache resets only in dev mode
+        routes.append(_route("/reset_prefix_cache", reset_prefix_cache, "POST"))
+    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error})
+    app.add_middleware(Guard, state=state)
     return app
+
+
+def _route(path: str, endpoint, method: str) -> Route:
+    """A route of one method, as FastAPI's: Starlette's own also answers HEAD where it answers GET."""
+    route = Route(path, endpoint, methods=[method])
+    route.methods.discard("HEAD")
+    return route
+
+
+async def _api_error(_: Request, err: APIError) -> Response:
+    return _error(err)
+
+
+async def _http_error(_: Request, err: HTTPException) -> Response:
+    """An unknown route (404) or method (405) in FastAPI's words, as vLLM answers them."""
+    if err.status_code in (204, 304) or err.status_code < 200:
+        return Response(status_code=err.status_code, headers=err.headers)
+    return JSONResponse({"detail": err.detail}, status_code=err.status_code, headers=err.headers)
 
 
 async def _json(request: Request, limits: ServerLimits):
@@ -436,7 +444,7 @@ async def _collect(request: Request, gen: Generation, id_prefix: str, build):
     done, _ = await _until_done_or_gone(drain(), request.receive)
     if not done:  # the client gave up: the guard aborts what it left
         return Response(status_code=499)
-    return build(new_id(id_prefix), now_s())
+    return JSONResponse(build(new_id(id_prefix), now_s()))
 
 
 class EventStream(StreamingResponse):
