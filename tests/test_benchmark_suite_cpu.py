@@ -1,5 +1,6 @@
 """benchmarks/suite_cpu.py: a pytest run's processes, their CPU summed by component."""
 import json
+import os
 import subprocess
 import sys
 
@@ -50,7 +51,10 @@ def test_a_runs_children_are_found_and_a_failing_run_passes_pytests_exit_status_
     assert other["cpu_s"] >= 0.8 and other["processes"] >= 1, out
     assert "kvengine serve" not in out["by_component"] and out["by_component"]["pytest"]["cpu_s"] > 0
     assert abs(out["sampled_cpu_s"] - sum(c["cpu_s"] for c in out["by_component"].values())) < 0.5
-    assert out["host_cpu_s"] >= 0.8 and 0 < out["busy"] <= 1.0
+    # /proc/stat counts in clock ticks: on a short run beside a busy suite the share may pass 1 by a
+    # tick of each CPU at either end (and busy is rounded to 3 places)
+    ticks = 2 / (os.sysconf("SC_CLK_TCK") * out["wall_s"])
+    assert out["host_cpu_s"] >= 0.8 and 0 < out["busy"] <= 1.0 + ticks + 0.0005
 
 
 def test_the_default_run_is_make_tests_pytest_line():
