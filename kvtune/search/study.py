@@ -220,7 +220,7 @@ def count_taken(study: optuna.Study, trials: list | None = None) -> int:
     """Trials that count towards the requested number (`counts`), of `trials` where given (the
     study's, read once) or read now."""
     trials = study.get_trials(deepcopy=False) if trials is None else trials
-    return sum(1 for t in trials if t.state in FINISHED + (TrialState.RUNNING,) and counts(t))
+    return sum(1 for t in trials if counts(t))  # counts() takes no waiting trial
 
 
 class Stage1:
@@ -254,8 +254,9 @@ class Stage1:
     def optimize(self, one_more: bool = False) -> None:
         """Optuna's own loop (so the storage heartbeat runs), stopped once the study is full;
         `one_more`: one trial (the enqueued one run_more asks for), full or not."""
-        if count_taken(self.study) >= self.n_trials and not one_more:
-            self.slim_dropped_runs()
+        trials = self.study.get_trials(deepcopy=False)
+        if count_taken(self.study, trials) >= self.n_trials and not one_more:
+            self.slim_dropped_runs(trials)
             return
 
         def after_trial(study, _trial):  # the study's trials read once for both
